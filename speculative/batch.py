@@ -1,0 +1,84 @@
+"""Ragged batch state: the target cache and the draft's context cache, slot-aligned.
+
+Rows of one batch accept different numbers of drafted tokens each round, so no
+cache can simply be cropped to one length. Every verify forward appends ``b``
+slots per row to both caches; ``slot_positions`` [B, T] records the absolute
+position held by each slot, -1 for slots to ignore (left padding of the
+prompt, drafted tokens the target rejected). Masks are built from it
+(``speculative.masks``), and ``compact`` squeezes the ignored slots out once
+they waste enough room.
+
+The draft cache holds, slot for slot, the context K/V of the token the target
+cache holds in the same slot: both are filled from the same target forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class RaggedBatch:
+    """Caches and slot layout of the rows being decoded together."""
+
+    slot_positions: torch.Tensor
+    target_cache: DynamicCache
+    draft_cache: DynamicCache | None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per row (prompt + accepted), [B]."""
+        return (self.slot_positions >= 0).sum(dim=1)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slot_positions.shape[1])
+
+    def commit(self, new_positions: torch.Tensor) -> None:
+        """Record the slots the last forward appended: ``new_positions`` [B, n]
+        with -1 where the token was rejected."""
+        self.slot_positions = torch.cat([self.slot_positions, new_positions], dim=1)
+
+    def wasted_slots(self) -> int:
+        """Slots beyond the longest row's committed tokens."""
+        return self.num_slots - int(self.lengths.max())
+
+    def compact(self) -> None:
+        """Move every row's committed slots to the right end, in order, and drop
+        the columns no row needs any more (one gather over every cache layer)."""
+        valid = self.slot_positions >= 0
+        keep = int(valid.sum(dim=1).max())
+        # Stable sort of the validity flags: ignored slots first, committed slots
+        # after them, each group in its original order.
+        order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)[:, self.num_slots - keep :]
+        self.slot_positions = self.slot_positions.gather(1, order)
+        for cache in self._caches():
+            for layer in cache.layers:
+                index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                layer.keys = layer.keys.gather(2, index)
+                layer.values = layer.values.gather(2, index.expand(-1, -1, -1, layer.values.shape[-1]))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the batch), freeing the others' caches."""
+        self.slot_positions = self.slot_positions[rows]
+        for cache in self._caches():
+            for layer in cache.layers:
+                layer.keys = layer.keys[rows]
+                layer.values = layer.values[rows]
+
+    def _caches(self) -> list[DynamicCache]:
+        return [c for c in (self.target_cache, self.draft_cache) if c is not None]
+
+
+def append_draft_context(cache: DynamicCache, context: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append per-layer context (k, v) [B, kvh, n, d] to the draft cache."""
+    for layer_idx, (k, v) in enumerate(context):
+        cache.update(k, v, layer_idx)
+
+
+def draft_context(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer cached context (k, v) of the draft."""
+    return [(layer.keys, layer.values) for layer in cache.layers]

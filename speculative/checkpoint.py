@@ -1,0 +1,86 @@
+"""DFlash draft checkpoints in the official format: ``config.json`` plus
+``model.safetensors`` (or shards listed in ``model.safetensors.index.json``),
+tensors named as in the published drafts, no embedding and no LM head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from speculative.config import DFlashConfig
+from speculative.draft import DFlashDraftModel
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose files or tensors do not match the draft it declares."""
+
+
+def save_draft(model: DFlashDraftModel, path: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = dict(model.config.raw)
+    raw.setdefault("architectures", ["DFlashDraftModel"])
+    (path / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_draft(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DFlashDraftModel:
+    """Load a draft from a local directory with strict name and shape checks."""
+    path = Path(path)
+    config = DFlashConfig.from_file(path)
+    model = DFlashDraftModel(config)
+    expected = model.state_dict()
+    tensors = _read_tensors(path)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong_shape = [
+        f"{name}: checkpoint {tuple(tensors[name].shape)}, model {tuple(expected[name].shape)}"
+        for name in sorted(set(expected) & set(tensors))
+        if tensors[name].shape != expected[name].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    if wrong_shape:
+        problems.append(f"wrong shapes [{'; '.join(wrong_shape)}]")
+    if problems:
+        raise CheckpointError(f"draft checkpoint {path} does not match its config: " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / INDEX_NAME
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (path / WEIGHTS_NAME).exists():
+        weight_map, files = {}, [WEIGHTS_NAME]
+    else:
+        raise CheckpointError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not (path / file).exists():
+            raise CheckpointError(f"shard {file} listed in {INDEX_NAME} is missing from {path}")
+        with safe_open(str(path / file), framework="pt") as shard:
+            for name in shard.keys():
+                if weight_map and weight_map.get(name) != file:
+                    raise CheckpointError(f"tensor {name} found in {file} but the index places it elsewhere")
+                tensors[name] = shard.get_tensor(name)
+    listed_but_absent = sorted(set(weight_map) - set(tensors))
+    if listed_but_absent:
+        raise CheckpointError(f"tensors {listed_but_absent} listed in {INDEX_NAME} are in no shard")
+    return tensors

@@ -1,0 +1,103 @@
+"""Per-row sampling parameters, logit warping and seeded per-row random draws.
+
+The same warping (temperature, then top-k, then top-p) is applied to the
+target's distribution p and to the draft's distribution q, as exact
+speculative sampling requires. A row with temperature 0 is greedy: its
+"distribution" is the one-hot of the argmax, which makes rejection sampling
+reduce exactly to greedy verification for that row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. ``temperature == 0`` means greedy; ``top_k == 0``
+    and ``top_p == 1`` disable those filters; ``seed`` makes the row reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Warped next-token distributions [B, n, V] from logits [B, n, V], one
+    ``SamplingParams`` per row (greedy rows give one-hot argmax rows)."""
+    batch, _, vocab = logits.shape
+    device = logits.device
+    logits = logits.float()
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    logits = logits / temperature[:, None, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        logits = _filter_top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], one_hot, probs)
+    return probs
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf (the most
+    likely token always survives)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    remove = ranks >= top_k[:, None, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p.
+    remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None, None]
+    remove[..., 0] = False
+    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def make_generators(params: Sequence[SamplingParams], device: torch.device) -> list[torch.Generator]:
+    """One generator per row: seeded from the row's seed, else from torch's global RNG
+    (so ``torch.manual_seed`` makes a whole run reproducible)."""
+    generators = []
+    for p in params:
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generators.append(torch.Generator(device=device).manual_seed(seed))
+    return generators
+
+
+def uniform_rows(generators: Sequence[torch.Generator], n: int, device: torch.device) -> torch.Tensor:
+    """U[0, 1) draws [B, n], row i from generator i."""
+    if n == 0:
+        return torch.zeros(len(generators), 0, device=device)
+    return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row from probs [B, V] (rows need not be normalised)."""
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+
+
+def sample_positions(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row and position from probs [B, n, V] -> [B, n]."""
+    return torch.stack(
+        [torch.multinomial(p, 1, generator=g).squeeze(-1) for p, g in zip(probs, generators, strict=True)]
+    )

@@ -1,0 +1,105 @@
+"""Greedy speculative decoding is token-identical to target-only greedy decoding."""
+
+import pytest
+from builders import random_prompts, reference_greedy, tiny_draft, tiny_target
+
+from speculative.config import DraftTargetMismatch
+from speculative.decode import DecodeConfig, spec_generate
+
+NEW_TOKENS = 32
+PROMPTS = random_prompts(24, seed=11, min_len=2, max_len=24)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def pair_and_references(request):
+    pair = request.getfixturevalue(f"{'qwen' if request.param == 'qwen3' else 'llama'}_pair")
+    target, _ = pair
+    return pair, [reference_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_batch_one_matches_target_greedy(pair_and_references, block_size):
+    (target, draft), references = pair_and_references
+    taus = []
+    for prompt, reference in zip(PROMPTS, references, strict=True):
+        result = spec_generate(target, draft, [prompt], DecodeConfig(block_size=block_size, max_new_tokens=NEW_TOKENS))
+        assert result.tokens[0] == reference
+        taus.append(result.mean_acceptance_length)
+    # The trained draft really gets drafts accepted, so the accept path is exercised.
+    assert max(taus) > 1.5
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("compact_slack", [0, 64])
+def test_ragged_batches_match_target_greedy(pair_and_references, block_size, compact_slack):
+    (target, draft), references = pair_and_references
+    config = DecodeConfig(block_size=block_size, max_new_tokens=NEW_TOKENS, compact_slack=compact_slack)
+    for start in range(0, len(PROMPTS), 6):
+        result = spec_generate(target, draft, PROMPTS[start : start + 6], config)
+        assert result.tokens == references[start : start + 6]
+        accepted = {n for r in result.rounds for n in r.accepted}
+        assert len(accepted) > 1 or block_size == 2
+
+
+def test_random_draft_is_still_lossless():
+    target, draft = tiny_target(seed=4), tiny_draft(seed=9)
+    config = DecodeConfig(block_size=16, max_new_tokens=24)
+    result = spec_generate(target, draft, PROMPTS[:8], config)
+    assert result.tokens == [reference_greedy(target, p, 24) for p in PROMPTS[:8]]
+
+
+def test_plain_decoding_needs_no_draft(qwen_pair):
+    target, _ = qwen_pair
+    result = spec_generate(target, None, PROMPTS[:4], DecodeConfig(block_size=1, max_new_tokens=16))
+    assert result.tokens == [reference_greedy(target, p, 16) for p in PROMPTS[:4]]
+    assert all(r.accepted == [1] * r.batch_size for r in result.rounds)
+
+
+def test_stop_tokens_and_length_limits(qwen_pair):
+    target, draft = qwen_pair
+    references = [reference_greedy(target, p, NEW_TOKENS) for p in PROMPTS[:6]]
+    stop = references[0][5]
+    result = spec_generate(
+        target, draft, PROMPTS[:6], DecodeConfig(block_size=8, max_new_tokens=NEW_TOKENS, stop_token_ids=(stop,))
+    )
+    for tokens, reason, reference in zip(result.tokens, result.finish_reasons, references, strict=True):
+        if stop in reference:
+            cut = reference.index(stop) + 1
+            assert (tokens, reason) == (reference[:cut], "stop")
+        else:
+            assert (tokens, reason) == (reference, "length")
+    assert result.finish_reasons[0] == "stop" and len(result.tokens[0]) <= 6
+    short = spec_generate(target, draft, PROMPTS[:3], DecodeConfig(block_size=16, max_new_tokens=3))
+    assert short.tokens == [r[:3] for r in references[:3]]
+    assert short.finish_reasons == ["length"] * 3
+
+
+def test_round_statistics_are_consistent(qwen_pair):
+    target, draft = qwen_pair
+    result = spec_generate(target, draft, PROMPTS[:5], DecodeConfig(block_size=8, max_new_tokens=NEW_TOKENS))
+    for r in result.rounds:
+        assert all(1 <= a <= 8 for a in r.accepted)
+        assert len(r.accepted_per_position) == len(r.verified_per_position) == 7
+        # Acceptance is a prefix: position k+1 is accepted only if position k was.
+        assert all(x >= y for x, y in zip(r.accepted_per_position, r.accepted_per_position[1:]))
+        assert sum(r.accepted_per_position) == sum(r.accepted) - r.batch_size
+        assert r.draft_seconds >= 0 and r.verify_seconds > 0
+    assert 1.0 <= result.mean_acceptance_length <= 8.0
+
+
+def test_bad_inputs_fail_clearly(qwen_pair):
+    target, draft = qwen_pair
+    with pytest.raises(ValueError, match="needs a draft"):
+        spec_generate(target, None, [[1, 2]], DecodeConfig(block_size=4))
+    with pytest.raises(ValueError, match="exceeds the draft's trained block"):
+        spec_generate(target, draft, [[1, 2]], DecodeConfig(block_size=32))
+    with pytest.raises(ValueError, match="context length"):
+        spec_generate(target, draft, [[1] * 500], DecodeConfig(max_new_tokens=100))
+    with pytest.raises(ValueError, match="empty"):
+        spec_generate(target, draft, [[1], []], DecodeConfig())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        spec_generate(target, draft, [[1, 999]], DecodeConfig())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        DecodeConfig(max_new_tokens=0)
+    with pytest.raises(DraftTargetMismatch, match="layer count"):
+        spec_generate(tiny_target(layers=6), draft, [[1, 2]], DecodeConfig(block_size=4))
