@@ -76,7 +76,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if not (path / file).exists():
             raise CheckpointError(f"shard {file} listed in {INDEX_NAME} is missing from {path}")
         with safe_open(str(path / file), framework="pt") as shard:
-            for name in shard.keys():
+            for name in shard.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if weight_map and weight_map.get(name) != file:
                     raise CheckpointError(f"tensor {name} found in {file} but the index places it elsewhere")
                 tensors[name] = shard.get_tensor(name)

@@ -44,11 +44,9 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     if end < start:
-        raise DraftConfigError(
-            f"the default target_layer_ids need at least 4 target layers, got {num_target_layers}"
-        )
+        raise DraftConfigError(f"the default target_layer_ids need at least 4 target layers, got {num_target_layers}")
     span = end - start
-    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 @dataclass(frozen=True)
@@ -100,17 +98,13 @@ class DFlashConfig:
 
         mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if not _is_int(mask_token_id) or mask_token_id < 0:
-            raise DraftConfigError(
-                f"dflash_config.mask_token_id must be a non-negative integer, got {mask_token_id!r}"
-            )
+            raise DraftConfigError(f"dflash_config.mask_token_id must be a non-negative integer, got {mask_token_id!r}")
 
         layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
         if layer_ids is None:
             layer_ids = build_target_layer_ids(num_target_layers, num_layers)
         if not isinstance(layer_ids, list) or not layer_ids or not all(map(_is_int, layer_ids)):
-            raise DraftConfigError(
-                f"target_layer_ids must be a non-empty list of integers, got {layer_ids!r}"
-            )
+            raise DraftConfigError(f"target_layer_ids must be a non-empty list of integers, got {layer_ids!r}")
         out_of_range = [i for i in layer_ids if not 0 <= i < num_target_layers]
         if out_of_range:
             raise DraftConfigError(
@@ -147,17 +141,14 @@ class DFlashConfig:
             raise DraftConfigError(f"{path} is not valid JSON: {exc}") from exc
         return cls.from_dict(raw)
 
-    def check_target(
-        self, *, hidden_size: int, num_layers: int, embedding_rows: int, vocab_size: int
-    ) -> None:
+    def check_target(self, *, hidden_size: int, num_layers: int, embedding_rows: int, vocab_size: int) -> None:
         """Raise ``DraftTargetMismatch`` when this draft cannot serve a target of this shape."""
         problems = []
         if hidden_size != self.hidden_size:
             problems.append(f"hidden size: draft {self.hidden_size}, target {hidden_size}")
         if num_layers != self.num_target_layers:
             problems.append(
-                f"layer count: draft was built for {self.num_target_layers} target layers, "
-                f"target has {num_layers}"
+                f"layer count: draft was built for {self.num_target_layers} target layers, target has {num_layers}"
             )
         bad_ids = [i for i in self.target_layer_ids if i >= num_layers]
         if bad_ids:
@@ -167,8 +158,7 @@ class DFlashConfig:
             problems.append(f"vocabulary: draft {draft_vocab}, target {vocab_size}")
         if self.mask_token_id >= embedding_rows:
             problems.append(
-                f"mask_token_id {self.mask_token_id} is outside the target's embedding table "
-                f"({embedding_rows} rows)"
+                f"mask_token_id {self.mask_token_id} is outside the target's embedding table ({embedding_rows} rows)"
             )
         if problems:
             raise DraftTargetMismatch("draft does not fit the target: " + "; ".join(problems))
@@ -185,17 +175,14 @@ def _positive_int(raw: dict[str, Any], key: str) -> int:
     return int(value)
 
 
-def _layer_attention(
-    raw: dict[str, Any], dflash: dict[str, Any], num_layers: int
-) -> tuple[LayerAttention, ...]:
+def _layer_attention(raw: dict[str, Any], dflash: dict[str, Any], num_layers: int) -> tuple[LayerAttention, ...]:
     """Per-layer causality and window, as SGLang reads them: full-attention layers
     are bidirectional and sliding layers causal unless ``is_causal`` (or
     ``dflash_config.causal``) says otherwise."""
     layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
     if len(layer_types) != num_layers or any(t not in ATTENTION_TYPES for t in layer_types):
         raise DraftConfigError(
-            f"layer_types must list one of {ATTENTION_TYPES} per draft layer "
-            f"({num_layers}), got {layer_types!r}"
+            f"layer_types must list one of {ATTENTION_TYPES} per draft layer ({num_layers}), got {layer_types!r}"
         )
     explicit_causal = raw.get("is_causal", dflash.get("causal"))
     window = raw.get("sliding_window") or dflash.get("swa_window_size")
@@ -206,9 +193,7 @@ def _layer_attention(
             layers.append(LayerAttention(causal=causal, window=None))
             continue
         if not _is_int(window) or window <= 0:
-            raise DraftConfigError(
-                f"sliding_attention layers need a positive sliding_window, got {window!r}"
-            )
+            raise DraftConfigError(f"sliding_attention layers need a positive sliding_window, got {window!r}")
         causal = bool(explicit_causal) if explicit_causal is not None else True
         layers.append(LayerAttention(causal=causal, window=int(window)))
     return tuple(layers)

@@ -174,7 +174,7 @@ def spec_generate(
         num_accepted = verdict.num_accepted.tolist()
         result.rounds.append(_round_stats(num_accepted, b, t1 - t0, t2 - t1))
         drafted = drafts.tolist()
-        emitted = [d[:n] + [t] for d, n, t in zip(drafted, num_accepted, verdict.next_token.tolist())]
+        emitted = [[*d[:n], t] for d, n, t in zip(drafted, num_accepted, verdict.next_token.tolist(), strict=True)]
         anchors = verdict.next_token
         done = _emit(outputs, reasons, rows, emitted, config)
     return result

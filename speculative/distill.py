@@ -51,7 +51,9 @@ def dflash_loss(
     block_positions = anchors[:, None] + torch.arange(b, device=device)
     block = torch.full_like(block_positions, draft.mask_token_id)
     block[:, 0] = tokens.gather(1, anchors[:, None]).squeeze(1)
-    hidden = draft(target.embed(block) * draft.config.input_embedding_scale, block_positions, context, context_positions)
+    hidden = draft(
+        target.embed(block) * draft.config.input_embedding_scale, block_positions, context, context_positions
+    )
     logits = target.lm_head(hidden[:, 1:]).float()
     label_positions = block_positions[:, 1:]
     in_range = label_positions < tokens.shape[1]

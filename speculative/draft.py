@@ -142,9 +142,7 @@ class DFlashDraftModel(nn.Module):
         batch, n, _ = c.shape
         attn0 = self.layers[0].self_attn
         kv = kv.view(batch, n, len(self.layers), 2, attn0.num_kv_heads, attn0.head_dim)
-        keys = torch.stack(
-            [layer.self_attn.k_norm(kv[:, :, i, 0]) for i, layer in enumerate(self.layers)], dim=2
-        )
+        keys = torch.stack([layer.self_attn.k_norm(kv[:, :, i, 0]) for i, layer in enumerate(self.layers)], dim=2)
         # [B, n, L, kvh, d] -> [B, L*kvh, n, d]: one RoPE call for every layer's keys.
         keys = keys.flatten(2, 3).transpose(1, 2)
         cos, sin = self.rope(c, positions)

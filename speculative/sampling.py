@@ -44,7 +44,7 @@ GREEDY = SamplingParams()
 def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Warped next-token distributions [B, n, V] from logits [B, n, V], one
     ``SamplingParams`` per row (greedy rows give one-hot argmax rows)."""
-    batch, _, vocab = logits.shape
+    vocab = logits.shape[-1]
     device = logits.device
     logits = logits.float()
     greedy = torch.tensor([p.greedy for p in params], device=device)
@@ -69,7 +69,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     remove = ranks >= top_k[:, None, None]
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Drop a token when the tokens ranked above it already reach top_p.
-    remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None, None]
+    remove = remove | ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None, None])
     remove[..., 0] = False
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 

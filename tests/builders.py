@@ -95,7 +95,9 @@ def tiny_draft(*, seed: int = 1, weight_scale: float = 1.0, **config) -> DFlashD
     return model.float().eval()
 
 
-def random_prompts(n: int, *, seed: int, min_len: int = 3, max_len: int = 20, vocab: int = VOCAB - 1) -> list[list[int]]:
+def random_prompts(
+    n: int, *, seed: int, min_len: int = 3, max_len: int = 20, vocab: int = VOCAB - 1
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]

@@ -130,5 +130,5 @@ def test_misshaped_tensor_is_named(tmp_path):
 
 def test_no_weights_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(draft_config_dict()))
-    with pytest.raises(CheckpointError, match="no model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
         load_draft(tmp_path)

@@ -68,12 +68,16 @@ def test_ragged_batch_with_holes_matches_single_rows(family):
             assert batch.num_slots == max(map(len, prompts))
         block = batch.lengths[:, None] + torch.arange(3)
         cache_copy = RaggedBatch(batch.slot_positions.clone(), _copy(batch.target_cache), None)
-        logits = target.forward(torch.tensor(continuation), block, cache_copy.target_cache, cache_copy.slot_positions).logits
+        logits = target.forward(
+            torch.tensor(continuation), block, cache_copy.target_cache, cache_copy.slot_positions
+        ).logits
         for i in range(4):
             torch.testing.assert_close(logits[i], alone(prompts[i], continuation[i]), rtol=1e-4, atol=1e-4)
     batch.select_rows(torch.tensor([2, 0]))
     block = batch.lengths[:, None] + torch.arange(3)
-    logits = target.forward(torch.tensor([continuation[2], continuation[0]]), block, batch.target_cache, batch.slot_positions).logits
+    logits = target.forward(
+        torch.tensor([continuation[2], continuation[0]]), block, batch.target_cache, batch.slot_positions
+    ).logits
     torch.testing.assert_close(logits[0], alone(prompts[2], continuation[2]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[1], alone(prompts[0], continuation[0]), rtol=1e-4, atol=1e-4)
 

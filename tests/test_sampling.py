@@ -1,0 +1,178 @@
+"""Speculative sampling is exact: outputs follow the target's own distribution.
+
+Each distribution check is a chi-square goodness-of-fit test against the exact
+target distribution (computed by enumeration), with cells of expected count < 5
+pooled. Its false-alarm rate is ALPHA = 0.1 % per check for a correct
+implementation; every run is seeded, so the outcome is deterministic.
+"""
+
+import itertools
+
+import pytest
+import torch
+from builders import draft_config_dict, random_prompts, reference_greedy, tiny_target
+from scipy.stats import chisquare
+
+from speculative import decode
+from speculative.config import DFlashConfig
+from speculative.decode import DecodeConfig, spec_generate
+from speculative.distill import distill_draft
+from speculative.draft import DFlashDraftModel
+from speculative.sampling import SamplingParams, probabilities
+from speculative.verify import Verdict, verify_sampled
+
+ALPHA = 1e-3
+V = 6
+PROMPT = [1, 2, 3, 4, 0, 1]
+K = 3  # generated tokens whose joint distribution is checked (V**K cells)
+ROWS = 6000
+WARPS = {
+    "t1": dict(temperature=1.0),
+    "t0.8-k4-p0.9": dict(temperature=0.8, top_k=4, top_p=0.9),
+}
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    counts, probs = counts.double(), probs.double()
+    assert counts[probs == 0].sum() == 0, "a token sequence of probability zero was produced"
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    return float(chisquare(counts, expected).pvalue)
+
+
+# ---------------------------------------------------------------- unit level
+
+
+@pytest.mark.parametrize("proposal", ["good", "bad", "argmax"])
+def test_first_token_of_a_verified_block_follows_p(proposal):
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(1, 3, 8, generator=g) * 2, dim=-1)
+    q = {
+        "good": torch.softmax(p.log()[:, :2] + 0.3 * torch.randn(1, 2, 8, generator=g), -1),
+        "bad": torch.softmax(-3 * p.log()[:, :2], -1),
+    }.get(proposal)
+    n = 40000
+    generators = [torch.Generator().manual_seed(i) for i in range(n)]
+    if q is None:
+        drafts = torch.randint(0, 8, (n, 2), generator=g)
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(q[0].repeat(n, 1), 1, generator=g).view(n, 2)
+        draft_probs = q.expand(n, -1, -1)
+    verdict = verify_sampled(drafts, draft_probs, p.expand(n, -1, -1), generators)
+    first = torch.where(verdict.num_accepted > 0, drafts[:, 0], verdict.next_token)
+    assert chi_square_pvalue(torch.bincount(first, minlength=8), p[0, 0]) > ALPHA
+
+
+def test_greedy_rows_through_the_sampler_equal_greedy_verification():
+    logits = torch.randn(5, 4, 16)
+    drafts = logits.argmax(-1)[:, :3].clone()
+    drafts[1, 0] = (drafts[1, 0] + 1) % 16
+    drafts[2, 2] = (drafts[2, 2] + 1) % 16
+    greedy = probabilities(logits, [SamplingParams()] * 5)
+    generators = [torch.Generator().manual_seed(i) for i in range(5)]
+    for draft_probs in (None, probabilities(torch.randn(5, 3, 16), [SamplingParams()] * 5)):
+        verdict = verify_sampled(drafts, draft_probs, greedy, generators)
+        assert verdict.num_accepted.tolist() == [3, 0, 2, 3, 3]
+        assert verdict.next_token.tolist() == logits.argmax(-1).gather(1, verdict.num_accepted[:, None])[:, 0].tolist()
+
+
+def test_top_k_top_p_warping():
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]))
+    top_p = probabilities(logits, [SamplingParams(temperature=1.0, top_p=0.75)])
+    torch.testing.assert_close(top_p[0, 0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    top_k = probabilities(logits, [SamplingParams(temperature=1.0, top_k=3)])
+    torch.testing.assert_close(top_k[0, 0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    hot = probabilities(logits, [SamplingParams(temperature=2.0)])
+    torch.testing.assert_close(hot[0, 0], torch.softmax(logits[0, 0] / 2, -1))
+    assert probabilities(logits, [SamplingParams()])[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def exact_joint(target, params: SamplingParams) -> torch.Tensor:
+    """P(first K generated tokens) of target-only sampling, by enumeration."""
+    joint = torch.ones(1)
+    for depth in range(K):
+        prefixes = list(itertools.product(range(V), repeat=depth))
+        ids = torch.tensor([PROMPT + list(prefix) for prefix in prefixes])
+        with torch.no_grad():
+            logits = target.model(ids).logits[:, -1:]
+        step = probabilities(logits, [params] * len(prefixes))[:, 0]
+        joint = (joint[:, None] * step).flatten()
+    return joint
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target = tiny_target(vocab=V, lm_head_scale=2.0, seed=21)
+    bad = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(vocab=V, mask_token_id=V - 1, block_size=4)))
+    with torch.no_grad():
+        for name, p in bad.named_parameters():
+            if name.endswith("proj.weight") or name == "fc.weight":
+                p.normal_(0.0, 3 * p.shape[1] ** -0.5)
+        bad.norm.weight.mul_(20.0)  # confidently wrong: q is nearly one-hot on arbitrary tokens
+    good = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(vocab=V, mask_token_id=V - 1, block_size=4)))
+    prompts = random_prompts(256, seed=3, min_len=6, max_len=6, vocab=V) + [PROMPT] * 64
+    torch.manual_seed(0)
+    data = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=12), SamplingParams(1.0))
+    sequences = torch.tensor([p + o for p, o in zip(prompts, data.tokens, strict=True)])
+    distill_draft(good, target, sequences, 6, steps=250)
+    return target, {"good": good.eval(), "bad": bad.eval()}
+
+
+def spec_joint_counts(target, draft, params: SamplingParams, proposal: str) -> tuple[torch.Tensor, float]:
+    rows = [SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(ROWS)]
+    config = DecodeConfig(block_size=4, max_new_tokens=K, proposal=proposal)
+    result = spec_generate(target, draft, [PROMPT] * ROWS, config, rows)
+    codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
+    return torch.bincount(codes, minlength=V**K), result.mean_acceptance_length
+
+
+@pytest.mark.parametrize("warp", sorted(WARPS))
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_speculative_sampling_matches_target_distribution(small_vocab, warp, proposal):
+    target, drafts = small_vocab
+    params = SamplingParams(**WARPS[warp])
+    exact = exact_joint(target, params)
+    taus = {}
+    for name, draft in drafts.items():
+        counts, taus[name] = spec_joint_counts(target, draft, params, proposal)
+        assert chi_square_pvalue(counts, exact) > ALPHA, f"{name} draft, tau {taus[name]:.2f}"
+    if proposal == "sample":
+        # The good draft is good: most of its sampled proposals survive. (Argmax
+        # proposals of this high-entropy target pass only when a sample hits the mode.)
+        assert taus["good"] > taus["bad"] + 0.5, taus
+
+
+def test_the_check_detects_a_wrong_verifier(small_vocab, monkeypatch):
+    """Power check: accepting every draft (no rejection) must fail the same test."""
+    target, drafts = small_vocab
+
+    def accept_all(drafts_, draft_probs, target_probs, generators):
+        n = drafts_.shape[1]
+        return Verdict(torch.full((len(drafts_),), n), target_probs[:, -1].argmax(-1))
+
+    monkeypatch.setattr(decode, "verify_sampled", accept_all)
+    params = SamplingParams(temperature=1.0)
+    counts, _ = spec_joint_counts(target, drafts["bad"], params, "sample")
+    assert chi_square_pvalue(counts, exact_joint(target, params)) < ALPHA
+
+
+def test_seeded_rows_are_reproducible_and_greedy_rows_stay_exact(qwen_pair):
+    target, draft = qwen_pair
+    prompts = random_prompts(4, seed=6)
+    rows = [SamplingParams(), SamplingParams(1.0, seed=5), SamplingParams(0.7, top_k=10, seed=6), SamplingParams()]
+    config = DecodeConfig(block_size=8, max_new_tokens=20, proposal="sample")
+    first = spec_generate(target, draft, prompts, config, rows)
+    second = spec_generate(target, draft, prompts, config, rows)
+    assert first.tokens == second.tokens
+    for i in (0, 3):
+        assert first.tokens[i] == reference_greedy(target, prompts[i], 20)
