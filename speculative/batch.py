@@ -35,6 +35,7 @@ class RaggedBatch:
 
     @property
     def num_slots(self) -> int:
+        """Cache columns (T), committed or not."""
         return int(self.slot_positions.shape[1])
 
     def commit(self, new_positions: torch.Tensor) -> None:

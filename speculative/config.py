@@ -77,10 +77,12 @@ class DFlashConfig:
 
     @property
     def num_layers(self) -> int:
+        """Draft decoder layers."""
         return len(self.layer_attention)
 
     @property
     def hidden_size(self) -> int:
+        """Hidden size, which must equal the target's."""
         return int(self.architecture.hidden_size)
 
     @classmethod

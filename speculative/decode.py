@@ -85,6 +85,7 @@ class RoundStats:
 
     @property
     def mean_acceptance_length(self) -> float:
+        """Mean tau over the rows of this round."""
         return sum(self.accepted) / len(self.accepted)
 
 
@@ -134,50 +135,70 @@ def spec_generate(
     _check_inputs(target, draft, prompts, config)
     if config.block_size == 1:
         draft = None  # plain decoding: no proposals, no draft context to keep
+    else:
+        target.capture_layers(draft.config.target_layer_ids)
     device = target.device
-    generators = make_generators(params, device)
-    b = config.block_size
-    rows = list(range(len(prompts)))
     outputs: list[list[int]] = [[] for _ in prompts]
-    reasons: list[str] = ["length"] * len(prompts)
+    reasons = ["length"] * len(prompts)
 
     start = _clock(device)
     batch, first_logits = _prefill(target, draft, prompts)
-    anchors = _sample_next(first_logits, params, generators)
+    generators = make_generators(params, device)
+    rows = _ActiveRows(list(range(len(prompts))), _sample_next(first_logits, params, generators), params, generators)
     result = GenerationResult(tokens=outputs, finish_reasons=reasons, prefill_seconds=_clock(device) - start)
-    done = _emit(outputs, reasons, rows, [[t] for t in anchors.tolist()], config)
+    done = _emit(outputs, reasons, rows.ids, [[t] for t in rows.anchors.tolist()], config)
 
-    while True:
-        keep = [i for i, finished in enumerate(done) if not finished]
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device)
-            batch.select_rows(index)
-            anchors = anchors[index]
-            rows = [rows[i] for i in keep]
-            params = [params[i] for i in keep]
-            generators = [generators[i] for i in keep]
+    while not all(done):
+        if any(done):
+            keep = [i for i, finished in enumerate(done) if not finished]
+            batch.select_rows(torch.tensor(keep, device=device))
+            rows.keep(keep)
         if batch.wasted_slots() >= config.compact_slack:
             batch.compact()
-
-        positions = batch.lengths[:, None] + torch.arange(b, device=device)
-        t0 = _clock(device)
-        drafts, draft_probs = _propose(target, draft, batch, anchors, positions, params, generators, config)
-        t1 = _clock(device)
-        block = torch.cat([anchors[:, None], drafts], dim=1)
-        verified = target.forward(block, positions, batch.target_cache, batch.slot_positions, capture=draft is not None)
-        verdict = _accept(drafts, draft_probs, verified.logits, params, generators)
-        _commit(batch, draft, verdict, positions, verified.features)
-        t2 = _clock(device)
-
-        num_accepted = verdict.num_accepted.tolist()
-        result.rounds.append(_round_stats(num_accepted, b, t1 - t0, t2 - t1))
-        drafted = drafts.tolist()
-        emitted = [[*d[:n], t] for d, n, t in zip(drafted, num_accepted, verdict.next_token.tolist(), strict=True)]
-        anchors = verdict.next_token
-        done = _emit(outputs, reasons, rows, emitted, config)
+        stats, emitted = _decode_round(target, draft, batch, rows, config)
+        result.rounds.append(stats)
+        done = _emit(outputs, reasons, rows.ids, emitted, config)
     return result
+
+
+@dataclass
+class _ActiveRows:
+    """The rows still decoding: prompt index, current anchor, sampling state."""
+
+    ids: list[int]
+    anchors: torch.Tensor
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows at these batch indices."""
+        self.ids = [self.ids[i] for i in keep]
+        self.anchors = self.anchors[torch.tensor(keep, device=self.anchors.device)]
+        self.params = [self.params[i] for i in keep]
+        self.generators = [self.generators[i] for i in keep]
+
+
+def _decode_round(
+    target: TargetModel, draft: DFlashDraftModel | None, batch: RaggedBatch, rows: _ActiveRows, config: DecodeConfig
+) -> tuple[RoundStats, list[list[int]]]:
+    """One propose -> verify -> accept -> commit round; returns its stats and the
+    tokens each row emits (accepted drafts, then the correction or bonus)."""
+    device = target.device
+    b = config.block_size
+    positions = batch.lengths[:, None] + torch.arange(b, device=device)
+    t0 = _clock(device)
+    drafts, draft_probs = _propose(target, draft, batch, rows, positions, config)
+    t1 = _clock(device)
+    block = torch.cat([rows.anchors[:, None], drafts], dim=1)
+    verified = target.forward(block, positions, batch.target_cache, batch.slot_positions, capture=draft is not None)
+    verdict = _accept(drafts, draft_probs, verified.logits, rows)
+    _commit(batch, draft, verdict, positions, verified.features)
+    t2 = _clock(device)
+
+    num_accepted = verdict.num_accepted.tolist()
+    emitted = [[*d[:n], t] for d, n, t in zip(drafts.tolist(), num_accepted, verdict.next_token.tolist(), strict=True)]
+    rows.anchors = verdict.next_token
+    return _round_stats(num_accepted, b, t1 - t0, t2 - t1), emitted
 
 
 def _per_row_sampling(sampling: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
@@ -199,7 +220,6 @@ def _check_inputs(
         if config.block_size > draft.block_size:
             raise ValueError(f"block_size {config.block_size} exceeds the draft's trained block {draft.block_size}")
         check_pair(target, draft)
-        target.capture_layers(draft.config.target_layer_ids)
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
@@ -240,39 +260,33 @@ def _propose(
     target: TargetModel,
     draft: DFlashDraftModel | None,
     batch: RaggedBatch,
-    anchors: torch.Tensor,
+    rows: _ActiveRows,
     positions: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
     config: DecodeConfig,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1]
     and, for sampled proposals, their distributions q [B, b-1, V]."""
     b = positions.shape[1]
     if b == 1:
-        return anchors.new_empty(len(anchors), 0), None
+        return rows.anchors.new_empty(len(rows.anchors), 0), None
     block = torch.full_like(positions, draft.mask_token_id)
-    block[:, 0] = anchors
+    block[:, 0] = rows.anchors
     embeddings = target.embed(block) * draft.config.input_embedding_scale
     hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
     # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
     logits = target.lm_head(hidden[:, 1:])
     if config.proposal == "argmax":
         return logits.argmax(dim=-1), None
-    q = probabilities(logits, params)
-    return sample_positions(q, generators), q
+    q = probabilities(logits, rows.params)
+    return sample_positions(q, rows.generators), q
 
 
 def _accept(
-    drafts: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
+    drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor, rows: _ActiveRows
 ) -> Verdict:
-    if all(p.greedy for p in params):
+    if all(p.greedy for p in rows.params):
         return verify_greedy(drafts, target_logits)
-    return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), generators)
+    return verify_sampled(drafts, draft_probs, probabilities(target_logits, rows.params), rows.generators)
 
 
 def _commit(

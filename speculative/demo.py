@@ -62,6 +62,7 @@ def build_demo_pair(seed: int, train_steps: int) -> tuple[TargetModel, DFlashDra
 def load_pair(
     target_path: Path, draft_path: Path, prompts: list[str]
 ) -> tuple[TargetModel, DFlashDraftModel, dict[str, list[list[int]]]]:
+    """Load a local target (with its tokenizer) and draft; tokenize the prompts."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
@@ -102,6 +103,7 @@ def _tokens(result: GenerationResult) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line entry point (`make run`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, help="local transformers target directory")
     parser.add_argument("--draft", type=Path, help="local DFlash draft directory (official format)")

@@ -108,14 +108,17 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def block_size(self) -> int:
+        """The block size the draft was trained with."""
         return self.config.block_size
 
     @property
     def mask_token_id(self) -> int:
+        """Target vocabulary row used for the block's MASK slots."""
         return self.config.mask_token_id
 
     @property
     def layer_attention(self) -> tuple[LayerAttention, ...]:
+        """Causality and window of each layer."""
         return self.config.layer_attention
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

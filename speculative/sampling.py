@@ -35,6 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when this row decodes greedily."""
         return self.temperature == 0
 
 

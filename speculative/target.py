@@ -51,34 +51,42 @@ class TargetModel:
 
     @property
     def device(self) -> torch.device:
+        """Device of the target's weights."""
         return self.model.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """Floating dtype of the target's weights."""
         return self.model.dtype
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers of the target."""
         return int(self.config.num_hidden_layers)
 
     @property
     def hidden_size(self) -> int:
+        """Hidden size of the target."""
         return int(self.config.hidden_size)
 
     @property
     def vocab_size(self) -> int:
+        """Vocabulary size the target's config declares."""
         return int(self.config.vocab_size)
 
     @property
     def embedding_rows(self) -> int:
+        """Rows of the input embedding table (may exceed vocab_size)."""
         return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
     def context_length(self) -> int:
+        """Longest sequence the target supports (max_position_embeddings)."""
         return int(self.config.max_position_embeddings)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
+        """The transformers decoder layers (Qwen3/Llama layout)."""
         return self.model.model.layers
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
