@@ -220,6 +220,12 @@ def _check_inputs(
         if config.block_size > draft.block_size:
             raise ValueError(f"block_size {config.block_size} exceeds the draft's trained block {draft.block_size}")
         check_pair(target, draft)
+        weight = draft.fc.weight
+        if (weight.device, weight.dtype) != (target.device, target.dtype):
+            raise ValueError(
+                f"draft is on {weight.device} in {weight.dtype} but the target is on {target.device} in "
+                f"{target.dtype}: load both on one device with one dtype"
+            )
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"prompt {i} is empty")

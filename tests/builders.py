@@ -105,7 +105,7 @@ def random_prompts(
 
 def reference_greedy(target: TargetModel, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Target-only greedy decoding by transformers' own ``generate``."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     out = target.model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

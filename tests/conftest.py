@@ -13,6 +13,16 @@ from speculative.distill import distill_draft
 PROMPT_LEN = 8
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU-marked tests run only where CUDA is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def _trained_pair(family: str):
     target = tiny_target(family)
     prompts = random_prompts(128, seed=5, min_len=PROMPT_LEN, max_len=PROMPT_LEN)

@@ -101,6 +101,8 @@ def test_bad_inputs_fail_clearly(qwen_pair):
         spec_generate(target, draft, [[1, 999]], DecodeConfig())
     with pytest.raises(ValueError, match="max_new_tokens"):
         DecodeConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="one dtype"):
+        spec_generate(target, tiny_draft().double(), [[1, 2]], DecodeConfig(block_size=4))
     with pytest.raises(DraftTargetMismatch, match="layer count"):
         spec_generate(tiny_target(layers=6), draft, [[1, 2]], DecodeConfig(block_size=4))
 
@@ -114,3 +116,17 @@ def test_target_with_sliding_window_layers_is_lossless():
     prompts = PROMPTS[:6]
     result = spec_generate(target, draft, prompts, DecodeConfig(block_size=4, max_new_tokens=20, compact_slack=0))
     assert result.tokens == [reference_greedy(target, p, 20) for p in prompts]
+
+
+@pytest.mark.gpu
+def test_greedy_on_cuda_matches_target_greedy(qwen_pair):
+    target, draft = qwen_pair
+    cuda_target = type(target)(target.model.to("cuda"))
+    try:
+        result = spec_generate(
+            cuda_target, draft.to("cuda"), PROMPTS[:8], DecodeConfig(block_size=16, max_new_tokens=NEW_TOKENS)
+        )
+        assert result.tokens == [reference_greedy(cuda_target, p, NEW_TOKENS) for p in PROMPTS[:8]]
+    finally:
+        target.model.to("cpu")
+        draft.to("cpu")
