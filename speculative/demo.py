@@ -37,24 +37,34 @@ def build_demo_pair(seed: int, train_steps: int) -> tuple[TargetModel, DFlashDra
     (a later milestone) is what measures real, held-out acceptance."""
     torch.manual_seed(seed)
     arch = dict(
-        vocab_size=DEMO_VOCAB, hidden_size=256, intermediate_size=768, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=32, max_position_embeddings=1024, rope_theta=10000.0,
-    )  # fmt: skip
+        vocab_size=DEMO_VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+    )
     model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=6, tie_word_embeddings=False, **arch))
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # random weights give near-flat logits otherwise
     target = TargetModel(model.eval())
     draft_raw = dict(
-        arch, model_type="qwen3", num_hidden_layers=1, num_target_layers=6, block_size=16,
+        arch,
+        model_type="qwen3",
+        num_hidden_layers=1,
+        num_target_layers=6,
+        block_size=16,
         dflash_config={"mask_token_id": DEMO_VOCAB - 1, "target_layer_ids": [1, 3]},
-    )  # fmt: skip
+    )
     draft = DFlashDraftModel(DFlashConfig.from_dict(draft_raw))
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, DEMO_VOCAB - 1, (520, 8), generator=g).tolist()
     train, held_out = prompts[:512], prompts[512:]
     data = spec_generate(target, None, train, DecodeConfig(block_size=1, max_new_tokens=64))
     sequences = torch.tensor([p + o for p, o in zip(train, data.tokens, strict=True)])
-    losses = distill_draft(draft, target, sequences, 8, steps=train_steps, anchors_per_step=32)
+    losses = distill_draft(draft, target, sequences, 8, steps=train_steps)
     print(f"draft distilled: {train_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     return target, draft, {"trained-on prompts": train[:8], "held-out prompts": held_out}
 
@@ -82,8 +92,15 @@ def run(target: TargetModel, draft: DFlashDraftModel, prompts: list[list[int]], 
         result, seconds = _timed(target, draft, prompts, DecodeConfig(block_size=b, max_new_tokens=args.max_new_tokens))
         tps = _tokens(result) / seconds
         lossless = result.tokens == baseline[0].tokens
-        rows.append({"block_size": b, "tau": result.mean_acceptance_length, "tokens_per_s": tps,
-                     "speedup": tps / base_tps, "lossless": lossless})  # fmt: skip
+        rows.append(
+            {
+                "block_size": b,
+                "tau": result.mean_acceptance_length,
+                "tokens_per_s": tps,
+                "speedup": tps / base_tps,
+                "lossless": lossless,
+            }
+        )
         print(f"{b:>5} {result.mean_acceptance_length:>6.2f} {tps:>8.1f} {tps / base_tps:>7.2f}x {lossless!s:>9}")
     return {"baseline_tokens_per_s": base_tps, "results": rows}
 

@@ -180,14 +180,17 @@ class DFlashDraftModel(nn.Module):
         block_positions: torch.Tensor,
         context: list[tuple[torch.Tensor, torch.Tensor]],
         context_positions: torch.Tensor,
+        visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the draft over one block per row.
 
         ``block_embeddings`` [B, b, H] (target embeddings of ``[anchor, MASK...]``,
         already scaled), ``block_positions`` [B, b], ``context`` per-layer cached
         (k, v) [B, kvh, T, d], ``context_positions`` [B, T] (-1 marks a slot to
-        ignore). Returns normed hidden states [B, b, H]; slot j predicts the token
-        at ``block_positions[:, j]``.
+        ignore). ``visible`` [B, q, T + q], when given, further restricts which
+        keys each query sees (training packs many blocks into one row). Returns
+        normed hidden states [B, q, H]; slot j predicts the token at
+        ``block_positions[:, j]``.
         """
         rope = self.rope(block_embeddings, block_positions)
         key_positions = torch.cat([context_positions, block_positions], dim=1)
@@ -196,8 +199,9 @@ class DFlashDraftModel(nn.Module):
         for layer, (k, v) in zip(self.layers, context, strict=True):
             attention = layer.self_attn.attention
             if attention not in masks:
-                masks[attention] = attention_allowed(
+                allowed = attention_allowed(
                     block_positions, key_positions, causal=attention.causal, window=attention.window
-                ).unsqueeze(1)
+                )
+                masks[attention] = (allowed if visible is None else allowed & visible).unsqueeze(1)
             h = layer(h, rope, k, v, masks[attention])
         return self.norm(h)

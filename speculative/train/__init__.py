@@ -1,0 +1,3 @@
+"""Training: the bundled target LM, target-regenerated data and DFlash drafts.
+
+CLI: ``dflash-train`` (``speculative.train.cli``)."""

@@ -1,0 +1,86 @@
+"""``dflash-train``: reproducible training commands with fixed seeds.
+
+dflash-train target --out models/pycoder-12m                  # the bundled target LM
+dflash-train data --target models/pycoder-12m --out runs/data # target-regenerated responses
+dflash-train draft --target models/pycoder-12m --data runs/data.jsonl --out models/pycoder-12m-dflash-b16
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+from speculative.train.corpus import Corpus, function_pairs
+from speculative.train.draft_train import DraftTrainConfig, train_draft
+from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
+from speculative.train.target_lm import TargetTrainConfig, train_target
+
+PATH_FIELDS = {"out_dir", "run_dir", "target_dir", "data"}
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag`` per config field (the config is the single source of flags)."""
+    for field in dataclasses.fields(cls):
+        if field.name in PATH_FIELDS:
+            continue
+        kind = {"int": int, "float": float}.get(str(field.type), str)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
+
+
+def _fields(args: dict, cls: type) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in args.items() if k in names}
+
+
+def corpus_prompts(limit: int, seed: int) -> list[str]:
+    """Function-completion prompts from the corpus, shuffled with ``seed``."""
+    prompts = [pair.prompt for text in Corpus.stdlib().texts() for pair in function_pairs(text)]
+    random.Random(seed).shuffle(prompts)
+    return prompts[:limit] if limit else prompts
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(
+        prog="dflash-train", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    target = commands.add_parser("target", help="train the bundled target LM from scratch")
+    target.add_argument("--out", type=Path, required=True, help="final model directory")
+    target.add_argument("--run-dir", type=Path, default=Path("runs/target"), help="checkpoints and token cache")
+    _add_dataclass_flags(target, TargetTrainConfig)
+
+    data = commands.add_parser("data", help="regenerate responses to corpus prompts with the target")
+    data.add_argument("--target", type=Path, required=True, help="target model directory")
+    data.add_argument("--out", type=Path, required=True, help="output path without suffix (.jsonl, .meta.json)")
+    data.add_argument("--limit", type=int, default=0, help="number of prompts (0: all)")
+    _add_dataclass_flags(data, RegenerateConfig)
+
+    draft = commands.add_parser("draft", help="train a DFlash draft on regenerated data")
+    draft.add_argument("--target", type=Path, required=True, help="target model directory")
+    draft.add_argument("--data", type=Path, required=True, help="regenerated .jsonl")
+    draft.add_argument("--out", type=Path, required=True, help="draft directory (official format)")
+    draft.add_argument("--run-dir", type=Path, default=Path("runs/draft"), help="checkpoints")
+    _add_dataclass_flags(draft, DraftTrainConfig)
+
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    if command == "target":
+        cfg = TargetTrainConfig(out_dir=args["out"], run_dir=args["run_dir"], **_fields(args, TargetTrainConfig))
+        summary = train_target(cfg)
+    elif command == "data":
+        cfg = RegenerateConfig(**_fields(args, RegenerateConfig))
+        prompts = corpus_prompts(args["limit"], cfg.seed)
+        summary = regenerate_chat_prompts(args["target"], prompts, args["out"], cfg, source="stdlib function prompts")
+    else:
+        paths = dict(target_dir=args["target"], data=args["data"], out_dir=args["out"], run_dir=args["run_dir"])
+        summary = train_draft(DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig)))
+    print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
+
+
+if __name__ == "__main__":
+    main()

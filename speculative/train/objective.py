@@ -1,0 +1,101 @@
+"""The DFlash training objective (REFERENCE section 3), many blocks per sequence
+in one draft forward.
+
+For each sequence, ``m`` anchors are drawn from response positions; anchor a
+opens the block ``[x_a, MASK x (b-1)]`` at positions ``a .. a+b-1``. All blocks
+of a row go through ONE draft forward, kept apart by a block-sparse mask:
+
+- a block token sees the context strictly BEFORE its anchor (``kv < a``, not
+  ``<=``: the anchor's own feature is not known at serving time either),
+- every token of its own block (bidirectional),
+- nothing of the other blocks.
+
+Slot k (1..b-1) predicts ``x[a + k]`` at its own position; slot 0 is excluded;
+the loss is ``sum(w * CE) / sum(w)`` with ``w_k = exp(-(k-1)/gamma)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from speculative.draft import DFlashDraftModel
+from speculative.target import TargetModel
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay for its block sizes; for others, interpolated as b/2 - 1."""
+    return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight of block slots 1..b-1: ``exp(-(k-1)/gamma)``."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_visibility(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Boolean [B, m*b, S + m*b]: which keys (S context positions, then the m*b
+    block tokens) each block token may see. ``anchors`` [B, m]."""
+    batch, m = anchors.shape
+    device = anchors.device
+    block_of_query = torch.arange(m, device=device).repeat_interleave(block_size)
+    anchor_of_query = anchors[:, block_of_query]
+    context = torch.arange(seq_len, device=device)[None, None, :] < anchor_of_query[:, :, None]
+    same_block = (block_of_query[:, None] == block_of_query[None, :]).expand(batch, -1, -1)
+    return torch.cat([context, same_block], dim=2)
+
+
+@dataclass
+class LossOutput:
+    """The weighted loss and, per block slot 1..b-1, correct and counted labels."""
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    counted: torch.Tensor
+
+
+def dflash_loss(
+    draft: DFlashDraftModel,
+    target: TargetModel,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    gamma: float,
+) -> LossOutput:
+    """DFlash loss of a batch.
+
+    ``tokens`` [B, S] (right-padded), ``features`` [B, S, n*H] the target's
+    features of those tokens, ``lengths`` [B] real tokens per row, ``anchors``
+    [B, m] anchor positions, ``anchor_valid`` [B, m] False for padding anchors.
+    """
+    b = draft.block_size
+    batch, seq_len = tokens.shape
+    device = tokens.device
+    positions = torch.arange(seq_len, device=device).expand(batch, -1)
+    context_positions = torch.where(positions < lengths[:, None], positions, -1)
+    context = draft.context_kv(features, positions)
+
+    block_positions = (anchors[:, :, None] + torch.arange(b, device=device)).flatten(1)
+    block = torch.full_like(block_positions, draft.mask_token_id)
+    block[:, ::b] = tokens.gather(1, anchors)
+    embeddings = target.embed(block) * draft.config.input_embedding_scale
+    visible = block_visibility(anchors, seq_len, b)
+    hidden = draft(embeddings, block_positions, context, context_positions, visible=visible)
+
+    hidden = hidden.view(batch, -1, b, hidden.shape[-1])[:, :, 1:]  # slot 0 is the anchor: no loss
+    logits = target.lm_head(hidden).float()
+    label_positions = anchors[:, :, None] + torch.arange(1, b, device=device)
+    labels = tokens.gather(1, label_positions.clamp(max=seq_len - 1).flatten(1)).view_as(label_positions)
+    counted = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    weights = position_weights(b, gamma).to(device) * counted
+    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-8)
+    correct = ((logits.argmax(-1) == labels) & counted).sum(dim=(0, 1))
+    return LossOutput(loss=loss, correct=correct, counted=counted.sum(dim=(0, 1)))

@@ -1,0 +1,184 @@
+"""The training pipeline on a tiny scale: target LM, regenerated data, draft."""
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from builders import HIDDEN, draft_config_dict, tiny_target
+
+from speculative.checkpoint import load_draft
+from speculative.config import DFlashConfig
+from speculative.decode import DecodeConfig, spec_generate
+from speculative.distill import sample_anchors
+from speculative.draft import DFlashDraftModel
+from speculative.sampling import SamplingParams
+from speculative.target import TargetModel
+from speculative.train.corpus import Corpus, function_pairs
+from speculative.train.draft_train import DraftTrainConfig, load_records, train_draft
+from speculative.train.objective import block_visibility, default_gamma, dflash_loss, position_weights
+from speculative.train.regenerate import RegenerateConfig, regenerate, regenerate_chat_prompts
+from speculative.train.target_lm import TargetTrainConfig, train_target
+
+SMALL_CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"
+
+
+def test_block_visibility_matches_brute_force():
+    anchors = torch.tensor([[2, 5, 9], [0, 3, 4]])
+    seq_len, b = 12, 4
+    visible = block_visibility(anchors, seq_len, b)
+    assert visible.shape == (2, 3 * b, seq_len + 3 * b)
+    for row in range(2):
+        for q in range(3 * b):
+            block = q // b
+            for k in range(seq_len + 3 * b):
+                # Context strictly before the anchor; block tokens of the own block only.
+                expected = k < anchors[row, block] if k < seq_len else (k - seq_len) // b == block
+                assert visible[row, q, k].item() == expected, (row, q, k)
+
+
+def test_position_weights_and_gamma():
+    w = position_weights(16, 7.0)
+    assert w.shape == (15,)
+    torch.testing.assert_close(w, torch.exp(-torch.arange(15.0) / 7.0))
+    assert w[0] == 1.0
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+def test_packed_blocks_equal_separate_blocks():
+    """Many blocks in one forward under the block-sparse mask give the same loss
+    as each block run alone through the serving path (context < anchor only)."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    draft = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(block_size=4)))
+    target.capture_layers(draft.config.target_layer_ids)
+    tokens = torch.randint(0, 90, (2, 14))
+    lengths = torch.tensor([14, 11])
+    anchors = torch.tensor([[3, 7, 12], [2, 5, 9]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    positions = torch.arange(14).expand(2, -1)
+    with torch.no_grad():
+        features = target.forward(tokens, positions, target.new_cache(), positions[:, :0]).features
+        packed = dflash_loss(draft, target, tokens, features, lengths, anchors, valid, gamma=2.0)
+        weights = position_weights(4, 2.0)
+        total, norm = 0.0, 0.0
+        for row in range(2):
+            for j in range(3):
+                a = int(anchors[row, j])
+                if not valid[row, j]:
+                    continue
+                ctx_pos = torch.where(positions[row : row + 1] < a, positions[row : row + 1], -1)
+                context = draft.context_kv(features[row : row + 1], positions[row : row + 1])
+                block = torch.tensor([[tokens[row, a], *[draft.mask_token_id] * 3]])
+                hidden = draft(target.embed(block), a + torch.arange(4)[None], context, ctx_pos)
+                logits = target.lm_head(hidden[0, 1:])
+                for k in range(1, 4):
+                    if a + k < lengths[row]:
+                        ce = torch.nn.functional.cross_entropy(logits[k - 1], tokens[row, a + k])
+                        total += weights[k - 1] * ce
+                        norm += weights[k - 1]
+    torch.testing.assert_close(packed.loss, total / norm, rtol=1e-5, atol=1e-5)
+    assert packed.counted.tolist() == [5, 4, 4]
+
+
+def test_sample_anchors_respects_response_and_padding():
+    g = torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(torch.tensor([20, 6]), torch.tensor([10, 3]), 5, g)
+    assert valid.tolist() == [[True] * 5, [True, True, False, False, False]]
+    assert all(10 <= a < 19 for a in anchors[0].tolist())
+    assert sorted(anchors[1, :2].tolist()) == [3, 4]
+    assert anchors[0].tolist() == sorted(anchors[0].tolist())
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    """A real (tiny) run of every pipeline stage on the stdlib json package."""
+    root = tmp_path_factory.mktemp("pipeline")
+    target_cfg = TargetTrainConfig(
+        out_dir=root / "target", run_dir=root / "target-run", vocab_size=320, hidden_size=HIDDEN, num_layers=4,
+        num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=2048, seq_len=64, batch_size=4,
+        steps=40, warmup_steps=5, checkpoint_every=20,
+    )  # fmt: skip
+    target_summary = train_target(target_cfg, Corpus.stdlib(SMALL_CORPUS))
+    pairs = [p for t in Corpus.stdlib(SMALL_CORPUS).texts() for p in function_pairs(t)]
+    prompts = [*sorted((p.prompt for p in pairs), key=len)[:11], pairs[0].prompt * 20]  # the last: too long
+    meta = regenerate_chat_prompts(
+        root / "target", prompts, root / "data", RegenerateConfig(max_new_tokens=48, batch_size=5), source="test"
+    )
+    return root, target_summary, meta
+
+
+def test_target_training_lowers_loss_and_writes_a_loadable_model(tiny_pipeline):
+    root, summary, _ = tiny_pipeline
+    assert summary["finished"]
+    curve = summary["curve"]
+    assert curve[-1]["train_loss"] < curve[0]["train_loss"] and curve[-1]["valid_loss"] < math.log(320)
+    assert summary["data"]["chat_pairs"] > 0 and len(summary["data"]["corpus_sha256"]) == 64
+    files = {p.name for p in (root / "target").iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "training.json"} <= files
+
+
+def test_target_training_resumes_to_the_same_weights(tmp_path):
+    common = dict(
+        vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+        seq_len=32, batch_size=2, steps=6, warmup_steps=2, checkpoint_every=100,
+    )  # fmt: skip
+    corpus = Corpus.stdlib(SMALL_CORPUS)
+    train_target(TargetTrainConfig(out_dir=tmp_path / "a", run_dir=tmp_path / "ra", **common), corpus)
+    stopped = train_target(
+        TargetTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", time_limit_minutes=1e-9, **common), corpus
+    )
+    assert not stopped["finished"] and stopped["step"] == 1
+    train_target(TargetTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", **common), corpus)
+    a = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_regenerated_data_is_the_targets_own_output(tiny_pipeline):
+    root, _, meta = tiny_pipeline
+    records = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
+    assert meta["records"] == len(records) == 11 and meta["skipped_too_long"] == 1
+    assert len(meta["target_weights_sha256"]) == 64
+    target = TargetModel.from_pretrained(root / "target")
+    stop = tuple(meta["stop_token_ids"])
+    for record in records[:4]:
+        alone = spec_generate(target, None, [record["prompt_ids"]], DecodeConfig(1, 48, stop))
+        assert alone.tokens[0] == record["response_ids"]
+
+
+def test_sampled_regeneration_does_not_depend_on_batching():
+    target = tiny_target()
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    config = dict(max_new_tokens=10, temperature=1.0, seed=3)
+    one = regenerate(target, prompts, (), RegenerateConfig(batch_size=1, **config))
+    three = regenerate(target, prompts, (), RegenerateConfig(batch_size=3, **config))
+    assert one == three
+
+
+def test_draft_training_learns_resumes_and_writes_official_format(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    common = dict(
+        target_dir=root / "target", data=root / "data.jsonl", block_size=8, anchors_per_sequence=8, batch_size=4,
+        epochs=8.0, lr=3e-3, checkpoint_every=4,
+    )  # fmt: skip
+    full = train_draft(DraftTrainConfig(out_dir=tmp_path / "a", run_dir=tmp_path / "ra", **common))
+    usable = len(load_records(root / "data.jsonl", 768))
+    assert full["finished"] and full["steps"] == math.ceil(8.0 * usable / 4) >= 12
+    assert full["curve"][-1]["loss"] < full["curve"][0]["loss"]
+    assert len(full["curve"][0]["accuracy_per_position"]) == 7
+    stopped = train_draft(
+        DraftTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", time_limit_minutes=1e-9, **common)
+    )
+    assert not stopped["finished"]
+    train_draft(DraftTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", **common))
+    a, b = load_draft(tmp_path / "a"), load_draft(tmp_path / "b")
+    assert all(torch.equal(a.state_dict()[n], t) for n, t in b.state_dict().items())
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == 4
+    assert config["dflash_config"]["mask_token_id"] == 3 and config["block_size"] == 8
+    target = TargetModel.from_pretrained(root / "target")
+    prompt = [1, 50, 60, 70]
+    greedy = spec_generate(target, None, [prompt], DecodeConfig(1, 20)).tokens
+    assert spec_generate(target, a, [prompt], DecodeConfig(8, 20), SamplingParams()).tokens == greedy
