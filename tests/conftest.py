@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import random_prompts, tiny_draft, tiny_target
+from builders import HIDDEN, SMALL_CORPUS, random_prompts, tiny_draft, tiny_target
 
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.distill import distill_draft
+from speculative.train.corpus import Corpus, function_pairs
+from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
+from speculative.train.target_lm import TargetTrainConfig, train_target
 
 PROMPT_LEN = 8
 
@@ -41,3 +44,21 @@ def qwen_pair():
 @pytest.fixture(scope="session")
 def llama_pair():
     return _trained_pair("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """A real (tiny) run of every pipeline stage on the stdlib json package."""
+    root = tmp_path_factory.mktemp("pipeline")
+    target_cfg = TargetTrainConfig(
+        out_dir=root / "target", run_dir=root / "target-run", vocab_size=320, hidden_size=HIDDEN, num_layers=4,
+        num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=2048, seq_len=64, batch_size=4,
+        steps=40, warmup_steps=5, checkpoint_every=20,
+    )  # fmt: skip
+    target_summary = train_target(target_cfg, Corpus.stdlib(SMALL_CORPUS))
+    pairs = [p for t in Corpus.stdlib(SMALL_CORPUS).texts() for p in function_pairs(t)]
+    prompts = [*sorted((p.prompt for p in pairs), key=len)[:11], pairs[0].prompt * 20]  # the last: too long
+    meta = regenerate_chat_prompts(
+        root / "target", prompts, root / "data", RegenerateConfig(max_new_tokens=48, batch_size=5), source="test"
+    )
+    return root, target_summary, meta

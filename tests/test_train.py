@@ -2,12 +2,9 @@
 
 import json
 import math
-import sysconfig
-from pathlib import Path
 
-import pytest
 import torch
-from builders import HIDDEN, draft_config_dict, tiny_target
+from builders import SMALL_CORPUS, draft_config_dict, tiny_target
 
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
@@ -16,13 +13,11 @@ from speculative.distill import sample_anchors
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
-from speculative.train.corpus import Corpus, function_pairs
+from speculative.train.corpus import Corpus
 from speculative.train.draft_train import DraftTrainConfig, load_records, train_draft
 from speculative.train.objective import block_visibility, default_gamma, dflash_loss, position_weights
-from speculative.train.regenerate import RegenerateConfig, regenerate, regenerate_chat_prompts
+from speculative.train.regenerate import RegenerateConfig, regenerate
 from speculative.train.target_lm import TargetTrainConfig, train_target
-
-SMALL_CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"
 
 
 def test_block_visibility_matches_brute_force():
@@ -90,24 +85,6 @@ def test_sample_anchors_respects_response_and_padding():
     assert all(10 <= a < 19 for a in anchors[0].tolist())
     assert sorted(anchors[1, :2].tolist()) == [3, 4]
     assert anchors[0].tolist() == sorted(anchors[0].tolist())
-
-
-@pytest.fixture(scope="module")
-def tiny_pipeline(tmp_path_factory):
-    """A real (tiny) run of every pipeline stage on the stdlib json package."""
-    root = tmp_path_factory.mktemp("pipeline")
-    target_cfg = TargetTrainConfig(
-        out_dir=root / "target", run_dir=root / "target-run", vocab_size=320, hidden_size=HIDDEN, num_layers=4,
-        num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=2048, seq_len=64, batch_size=4,
-        steps=40, warmup_steps=5, checkpoint_every=20,
-    )  # fmt: skip
-    target_summary = train_target(target_cfg, Corpus.stdlib(SMALL_CORPUS))
-    pairs = [p for t in Corpus.stdlib(SMALL_CORPUS).texts() for p in function_pairs(t)]
-    prompts = [*sorted((p.prompt for p in pairs), key=len)[:11], pairs[0].prompt * 20]  # the last: too long
-    meta = regenerate_chat_prompts(
-        root / "target", prompts, root / "data", RegenerateConfig(max_new_tokens=48, batch_size=5), source="test"
-    )
-    return root, target_summary, meta
 
 
 def test_target_training_lowers_loss_and_writes_a_loadable_model(tiny_pipeline):

@@ -1,0 +1,104 @@
+"""``dflash-bench``: DFlash vs target-only decoding and peers on HumanEval and
+MT-Bench prompts. Prints a human table and ends with one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from speculative.bench.datasets import DATASETS
+from speculative.bench.run import BenchSettings, run_dflash, run_hf_generate
+from speculative.checkpoint import load_draft
+from speculative.target import TargetModel
+
+
+def _chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    rendered = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+        for t in texts
+    ]
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def benchmark(args: argparse.Namespace) -> dict:
+    """Run the sweep; returns every row (outputs dropped) for the JSON line."""
+    settings = BenchSettings(
+        block_sizes=tuple(args.block_sizes),
+        batch_sizes=tuple(args.batch_sizes),
+        temperatures=tuple(args.temperatures),
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
+    stop = tuple(tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.eos_token, tokenizer.pad_token))
+    target = TargetModel.from_pretrained(args.target)
+    draft = load_draft(args.draft)
+    assistant = AutoModelForCausalLM.from_pretrained(str(args.assistant)).float() if args.assistant else None
+    rows = []
+    for name in args.datasets:
+        ids = _chat_ids(tokenizer, [p.text for p in DATASETS[name](args.limit)])
+        ids = [x for x in ids if len(x) + settings.max_new_tokens + max(settings.block_sizes) <= target.context_length]
+        for temperature in settings.temperatures:
+            for batch in settings.batch_sizes:
+                base = run_dflash(target, None, ids, 1, batch, temperature, settings, stop)
+                rows.append(_row(name, "target-only", base, base))
+                for b in settings.block_sizes:
+                    result = run_dflash(target, draft, ids, b, batch, temperature, settings, stop)
+                    if temperature == 0:
+                        result["lossless"] = result["outputs"] == base["outputs"]
+                    rows.append(_row(name, f"dflash b{b}", result, base))
+            hf_base = run_hf_generate(target.model, ids, temperature, settings, stop)
+            rows.append(_row(name, "hf generate", hf_base, hf_base, batch_size=1, temperature=temperature))
+            lookup = run_hf_generate(target.model, ids, temperature, settings, stop, prompt_lookup_num_tokens=10)
+            rows.append(_row(name, "hf prompt-lookup", lookup, hf_base, batch_size=1, temperature=temperature))
+            if assistant is not None:
+                assisted = run_hf_generate(target.model, ids, temperature, settings, stop, assistant_model=assistant)
+                rows.append(_row(name, "hf assisted", assisted, hf_base, batch_size=1, temperature=temperature))
+    return {"rows": rows, "settings": asdict(settings) | {"prompts_limit": args.limit}}
+
+
+def _row(dataset: str, method: str, result: dict, baseline: dict, **extra: object) -> dict:
+    row = {"dataset": dataset, "method": method, **extra}
+    row.update({k: v for k, v in result.items() if k != "outputs"})
+    row["speedup"] = result["tokens_per_s"] / baseline["tokens_per_s"]
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    """The human-readable table."""
+    header = f"{'dataset':<10} {'method':<17} {'T':>3} {'batch':>5} {'tau':>5} {'4gram':>6} {'tok/s':>8} {'speedup':>8}"
+    print(header)
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+        gram = f"{r['distinct_4gram']:.2f}" if "distinct_4gram" in r else "-"
+        mark = "" if r.get("lossless", True) else "  NOT LOSSLESS"
+        print(
+            f"{r['dataset']:<10} {r['method']:<17} {r['temperature']:>3g} {r['batch_size']:>5} {tau:>5} {gram:>6} "
+            f"{r['tokens_per_s']:>8.1f} {r['speedup']:>7.2f}x{mark}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, required=True, help="target model directory (with tokenizer)")
+    parser.add_argument("--draft", type=Path, required=True, help="DFlash draft directory")
+    parser.add_argument("--assistant", type=Path, help="autoregressive assistant for assisted generation")
+    parser.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"], choices=sorted(DATASETS))
+    parser.add_argument("--limit", type=int, default=0, help="prompts per dataset (0: all)")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    summary = benchmark(parser.parse_args(argv))
+    print_table(summary["rows"])
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
