@@ -159,3 +159,14 @@ def test_draft_training_learns_resumes_and_writes_official_format(tiny_pipeline,
     prompt = [1, 50, 60, 70]
     greedy = spec_generate(target, None, [prompt], DecodeConfig(1, 20)).tokens
     assert spec_generate(target, a, [prompt], DecodeConfig(8, 20), SamplingParams()).tokens == greedy
+
+
+def test_assistant_reuses_the_targets_tokenizer(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    cfg = TargetTrainConfig(
+        out_dir=tmp_path / "assistant", run_dir=tmp_path / "run", vocab_size=320, hidden_size=32, num_layers=1,
+        num_heads=2, num_kv_heads=1, intermediate_size=64, seq_len=32, batch_size=2, steps=2, warmup_steps=1,
+        tokenizer=str(root / "target"),
+    )  # fmt: skip
+    train_target(cfg, Corpus.stdlib(SMALL_CORPUS))
+    assert (tmp_path / "assistant" / "tokenizer.json").read_text() == (root / "target" / "tokenizer.json").read_text()

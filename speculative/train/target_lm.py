@@ -26,7 +26,9 @@ from speculative.train.tokenizer import END_OF_TEXT, chat_text, save_tokenizer, 
 
 @dataclass(frozen=True)
 class TargetTrainConfig:
-    """Target LM training settings (sizes in tokens unless stated)."""
+    """Target LM training settings (sizes in tokens unless stated). ``tokenizer``:
+    a directory whose tokenizer to reuse instead of training one (an assistant
+    model for assisted generation must share the target's tokenizer)."""
 
     out_dir: Path
     run_dir: Path
@@ -48,6 +50,7 @@ class TargetTrainConfig:
     checkpoint_every: int = 100
     time_limit_minutes: float = 0.0
     seed: int = 0
+    tokenizer: str = ""
 
 
 def model_config(cfg: TargetTrainConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
@@ -83,7 +86,10 @@ def prepare_tokens(
     texts = list(corpus.texts())
     documents = texts + [chat_text(p.prompt, p.response) for t in texts for p in function_pairs(t)]
     random.Random(cfg.seed).shuffle(documents)
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    if cfg.tokenizer:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.tokenizer, local_files_only=True)
+    else:
+        tokenizer = train_tokenizer(texts, cfg.vocab_size)
     save_tokenizer(tokenizer, tokenizer_dir)
     eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     encoded = tokenizer(documents, add_special_tokens=False)["input_ids"]
