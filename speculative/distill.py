@@ -6,12 +6,11 @@ sequences already in memory: no data files, no checkpoints, no progress bar.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
+from speculative.train.loop import warmup_cosine
 from speculative.train.objective import default_gamma, dflash_loss
 
 
@@ -58,10 +57,7 @@ def distill_draft(
     draft.train()
     optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 25)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)),
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, warmup))
     lengths = torch.full((rows_per_step,), sequences.shape[1])
     starts = torch.full((rows_per_step,), prompt_length)
     losses = []

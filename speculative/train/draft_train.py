@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from speculative.checkpoint import save_draft
@@ -25,6 +23,7 @@ from speculative.config import DFlashConfig, build_target_layer_ids
 from speculative.distill import sample_anchors
 from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
+from speculative.train.loop import ResumableRun, warmup_cosine
 from speculative.train.objective import default_gamma, dflash_loss
 from speculative.train.tokenizer import MASK
 
@@ -117,38 +116,20 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     warmup = max(1, int(cfg.warmup_ratio * steps))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, warmup))
     generator = torch.Generator().manual_seed(cfg.seed)
-    state = {"step": 0, "curve": [], "seconds": 0.0}
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = cfg.run_dir / "checkpoint.pt"
-    if checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=False)
-        draft.load_state_dict(saved["draft"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        generator.set_state(saved["generator"])
-        state = saved["state"]
-
-    def save_checkpoint() -> None:
-        torch.save(
-            {
-                "draft": draft.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "generator": generator.get_state(),
-                "state": state,
-            },
-            checkpoint,
-        )
-
+    run = ResumableRun(
+        cfg.run_dir / "checkpoint.pt",
+        {"draft": draft, "optimizer": optimizer, "scheduler": scheduler},
+        generator,
+        total_steps=steps,
+        checkpoint_every=cfg.checkpoint_every,
+        time_limit_minutes=cfg.time_limit_minutes,
+        name="draft",
+    )
     correct = torch.zeros(cfg.block_size - 1)
     counted = torch.zeros(cfg.block_size - 1)
-    started = time.monotonic()
-    progress = tqdm(total=steps, initial=state["step"], desc="draft", unit="step", mininterval=10)
-    while state["step"] < steps:
+    while not run.finished:
         batch = [records[i] for i in torch.randint(0, len(records), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate(batch, tokenizer.pad_token_id)
         anchors, valid = sample_anchors(lengths, starts, cfg.anchors_per_sequence, generator)
@@ -161,39 +142,26 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        state["step"] += 1
         correct += out.correct
         counted += out.counted
         accuracy = correct / counted.clamp(min=1)
-        progress.update(1)
-        progress.set_postfix(
-            loss=f"{out.loss.item():.3f}", acc1=f"{accuracy[0]:.2f}", tau=f"{expected_tau(accuracy):.2f}"
-        )
-        elapsed = state["seconds"] + time.monotonic() - started
-        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == steps:
-            state["seconds"], started = elapsed, time.monotonic()
-            state["curve"].append(
+        run.advance(loss=f"{out.loss.item():.3f}", acc1=f"{accuracy[0]:.2f}", tau=f"{expected_tau(accuracy):.2f}")
+        if run.due():
+            run.record(
                 {
-                    "step": state["step"],
                     "loss": out.loss.item(),
                     "accuracy_per_position": [round(a, 4) for a in accuracy.tolist()],
                     "expected_tau": expected_tau(accuracy),
-                    "seconds": round(elapsed, 1),
                 }
             )
-            progress.write(json.dumps(state["curve"][-1]))
             correct.zero_()
             counted.zero_()
-            save_checkpoint()
-        if cfg.time_limit_minutes and elapsed > cfg.time_limit_minutes * 60 and state["step"] < steps:
-            state["seconds"] = elapsed
-            save_checkpoint()
-            progress.write(f"time limit reached at step {state['step']}: rerun the same command to resume")
-            return {"finished": False, **state}
-    progress.close()
+        if run.out_of_time():
+            return {"finished": False, **run.state}
+    run.close()
     draft.eval()
     save_draft(draft, cfg.out_dir)
-    summary = {"finished": True, "steps": steps, "config": {k: str(v) for k, v in asdict(cfg).items()}, **state}
+    summary = {"finished": True, "steps": steps, "config": {k: str(v) for k, v in asdict(cfg).items()}, **run.state}
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -10,17 +10,15 @@ in transformers format (safetensors, bf16 to stay small) with its tokenizer.
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from speculative.train.corpus import Corpus, function_pairs
+from speculative.train.loop import ResumableRun, warmup_cosine
 from speculative.train.tokenizer import END_OF_TEXT, chat_text, save_tokenizer, train_tokenizer
 
 
@@ -109,14 +107,6 @@ def prepare_tokens(
     return tokenizer, train, valid, info
 
 
-def lr_factor(step: int, cfg: TargetTrainConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def sample_batch(tokens: torch.Tensor, cfg: TargetTrainConfig, generator: torch.Generator) -> torch.Tensor:
     """Random windows of ``seq_len + 1`` tokens (transformers shifts the labels)."""
     starts = torch.randint(0, len(tokens) - cfg.seq_len - 1, (cfg.batch_size,), generator=generator)
@@ -138,40 +128,27 @@ def validation_loss(model: Qwen3ForCausalLM, valid: torch.Tensor, cfg: TargetTra
 
 def train_target(cfg: TargetTrainConfig, corpus: Corpus | None = None) -> dict:
     """Train (or resume) the target; write the final model when all steps are done.
-    Returns the run summary (also written as ``summary.json``)."""
+    Returns the run summary (also written as ``training.json`` beside the model)."""
     corpus = corpus or Corpus.stdlib()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, train, valid, info = prepare_tokens(cfg, corpus)
     torch.manual_seed(cfg.seed)
     model = Qwen3ForCausalLM(model_config(cfg, tokenizer)).float().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    )
     generator = torch.Generator().manual_seed(cfg.seed)
-    state = {"step": 0, "curve": [], "seconds": 0.0}
-    checkpoint = cfg.run_dir / "checkpoint.pt"
-    if checkpoint.exists():
-        saved = torch.load(checkpoint, weights_only=False)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        generator.set_state(saved["generator"])
-        state = saved["state"]
-
-    def save_checkpoint() -> None:
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "generator": generator.get_state(),
-                "state": state,
-            },
-            checkpoint,
-        )
-
-    started = time.monotonic()
-    progress = tqdm(total=cfg.steps, initial=state["step"], desc="target", unit="step", mininterval=10)
-    while state["step"] < cfg.steps:
+    run = ResumableRun(
+        cfg.run_dir / "checkpoint.pt",
+        {"model": model, "optimizer": optimizer, "scheduler": scheduler},
+        generator,
+        total_steps=cfg.steps,
+        checkpoint_every=cfg.checkpoint_every,
+        time_limit_minutes=cfg.time_limit_minutes,
+        name="target",
+    )
+    while not run.finished:
         batch = sample_batch(train, cfg, generator)
         loss = model(batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
@@ -179,29 +156,13 @@ def train_target(cfg: TargetTrainConfig, corpus: Corpus | None = None) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        state["step"] += 1
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-        elapsed = state["seconds"] + time.monotonic() - started
-        if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
-            state["seconds"], started = elapsed, time.monotonic()
-            state["curve"].append(
-                {
-                    "step": state["step"],
-                    "train_loss": loss.item(),
-                    "valid_loss": validation_loss(model, valid, cfg),
-                    "seconds": round(elapsed, 1),
-                }
-            )
-            progress.write(json.dumps(state["curve"][-1]))
-            save_checkpoint()
-        if cfg.time_limit_minutes and elapsed > cfg.time_limit_minutes * 60 and state["step"] < cfg.steps:
-            state["seconds"] = elapsed
-            save_checkpoint()
-            progress.write(f"time limit reached at step {state['step']}: rerun the same command to resume")
-            return {"finished": False, **state}
-    progress.close()
-    summary = {"finished": True, "config": {k: str(v) for k, v in asdict(cfg).items()}, "data": info, **state}
+        run.advance(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+        if run.due():
+            run.record({"train_loss": loss.item(), "valid_loss": validation_loss(model, valid, cfg)})
+        if run.out_of_time():
+            return {"finished": False, **run.state}
+    run.close()
+    summary = {"finished": True, "config": {k: str(v) for k, v in asdict(cfg).items()}, "data": info, **run.state}
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(str(cfg.out_dir), safe_serialization=True)
     save_tokenizer(tokenizer, cfg.out_dir)
