@@ -13,6 +13,7 @@ from speculative.distill import sample_anchors
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
+from speculative.train.cli import main
 from speculative.train.corpus import Corpus
 from speculative.train.draft_train import DraftTrainConfig, load_records, train_draft
 from speculative.train.objective import block_visibility, default_gamma, dflash_loss, position_weights
@@ -170,3 +171,16 @@ def test_assistant_reuses_the_targets_tokenizer(tiny_pipeline, tmp_path):
     )  # fmt: skip
     train_target(cfg, Corpus.stdlib(SMALL_CORPUS))
     assert (tmp_path / "assistant" / "tokenizer.json").read_text() == (root / "target" / "tokenizer.json").read_text()
+
+
+def test_cli_trains_and_writes_a_model_card(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    main(
+        [
+            "draft", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), "--out",
+            str(tmp_path / "draft"), "--run-dir", str(tmp_path / "run"), "--block-size", "4", "--epochs", "1",
+        ]
+    )  # fmt: skip
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "DFlash draft" in card and "final loss" in card and "dflash-train draft --target" in card
+    assert load_draft(tmp_path / "draft").block_size == 4

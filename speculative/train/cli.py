@@ -11,14 +11,25 @@ import argparse
 import dataclasses
 import json
 import random
+import sys
 from pathlib import Path
 
 from speculative.train.corpus import Corpus, function_pairs
 from speculative.train.draft_train import DraftTrainConfig, train_draft
+from speculative.train.model_card import write_card
 from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
 from speculative.train.target_lm import TargetTrainConfig, train_target
 
 PATH_FIELDS = {"out_dir", "run_dir", "target_dir", "data"}
+TARGET_CARD = (
+    "A small Qwen3 language model trained from scratch on the Python standard library's sources "
+    "(PSF licence) and function-completion chat pairs made from them; ChatML chat template. "
+    "The bundled target of dflash-serve."
+)
+DRAFT_CARD = (
+    "A DFlash draft (official checkpoint format) for the bundled target, trained on the target's own "
+    "regenerated responses with the DFlash objective."
+)
 
 
 def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -31,7 +42,7 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _fields(args: dict, cls: type) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)} - PATH_FIELDS
     return {k: v for k, v in args.items() if k in names}
 
 
@@ -67,18 +78,24 @@ def main(argv: list[str] | None = None) -> None:
     draft.add_argument("--run-dir", type=Path, default=Path("runs/draft"), help="checkpoints")
     _add_dataclass_flags(draft, DraftTrainConfig)
 
+    argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command == "target":
         cfg = TargetTrainConfig(out_dir=args["out"], run_dir=args["run_dir"], **_fields(args, TargetTrainConfig))
         summary = train_target(cfg)
+        if summary["finished"]:
+            write_card(cfg.out_dir, cfg.out_dir.name, TARGET_CARD, "dflash-train " + " ".join(argv))
     elif command == "data":
         cfg = RegenerateConfig(**_fields(args, RegenerateConfig))
         prompts = corpus_prompts(args["limit"], cfg.seed)
         summary = regenerate_chat_prompts(args["target"], prompts, args["out"], cfg, source="stdlib function prompts")
     else:
         paths = dict(target_dir=args["target"], data=args["data"], out_dir=args["out"], run_dir=args["run_dir"])
-        summary = train_draft(DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig)))
+        cfg = DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig))
+        summary = train_draft(cfg)
+        if summary["finished"]:
+            write_card(cfg.out_dir, cfg.out_dir.name, DRAFT_CARD, "dflash-train " + " ".join(argv))
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
 
 
