@@ -1,10 +1,10 @@
 """Speculative-generation demo: DFlash against plain decoding, side by side.
 
 With ``--target`` and ``--draft`` it runs a local transformers target and a local
-DFlash checkpoint on text prompts. Without them (the default, until the project
-bundles its trained pair) it builds a small random-weight Qwen3 target, trains a
-DFlash draft on the target's own greedy outputs for a few seconds, and decodes
-held-out prompts. Either way it checks that greedy DFlash output equals plain
+DFlash checkpoint on text prompts; without them it runs the bundled pair in
+``models/`` when present. Failing both, it builds a small random-weight Qwen3
+target, trains a DFlash draft on the target's own greedy outputs for a minute,
+and decodes trained-on and held-out prompts. Either way it checks that greedy DFlash output equals plain
 decoding token for token, and prints acceptance length and speed.
 """
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
@@ -26,6 +26,14 @@ from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
 
 DEMO_VOCAB = 512
+BUNDLED_TARGET = Path("models/pycoder-12m")
+BUNDLED_DRAFT = Path("models/pycoder-12m-dflash-b16")
+DEFAULT_PROMPTS = (
+    'Complete this Python function:\ndef fibonacci(n):\n    """Return the n-th Fibonacci number."""',
+    'Complete this Python function:\ndef is_palindrome(text):\n    """Return True if text reads the same backwards."""',
+    'Complete this Python function:\ndef read_config(path):\n    """Read a JSON config file into a dict."""',
+    'Complete this Python function:\ndef flatten(items):\n    """Flatten a list of lists into one list."""',
+)
 
 
 def build_demo_pair(seed: int, train_steps: int) -> tuple[TargetModel, DFlashDraftModel, dict[str, list[list[int]]]]:
@@ -72,11 +80,15 @@ def build_demo_pair(seed: int, train_steps: int) -> tuple[TargetModel, DFlashDra
 def load_pair(
     target_path: Path, draft_path: Path, prompts: list[str]
 ) -> tuple[TargetModel, DFlashDraftModel, dict[str, list[list[int]]]]:
-    """Load a local target (with its tokenizer) and draft; tokenize the prompts."""
-    from transformers import AutoTokenizer
-
+    """Load a local target (with its tokenizer) and draft; tokenize the prompts,
+    through the chat template when the tokenizer has one."""
     tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    if tokenizer.chat_template:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     return TargetModel.from_pretrained(target_path), load_draft(draft_path), {"prompts": ids}
 
 
@@ -135,8 +147,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if (args.target is None) != (args.draft is None):
         parser.error("--target and --draft go together")
+    if args.target is None and BUNDLED_TARGET.exists() and BUNDLED_DRAFT.exists():
+        args.target, args.draft = BUNDLED_TARGET, BUNDLED_DRAFT
     if args.target is not None:
-        target, draft, prompts = load_pair(args.target, args.draft, args.prompt or ["def fibonacci(n):"])
+        print(f"target {args.target}, draft {args.draft}")
+        target, draft, prompts = load_pair(args.target, args.draft, args.prompt or list(DEFAULT_PROMPTS))
     else:
         target, draft, prompts = build_demo_pair(args.seed, args.train_steps)
     summary = {}

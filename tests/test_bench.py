@@ -51,3 +51,20 @@ def test_bench_prints_table_and_json(tiny_pipeline, tmp_path, capsys):
     assert all(len(r["acceptance_per_position"]) == r["block_size"] - 1 for r in greedy_dflash)
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert lines[0].split()[:2] == ["dataset", "method"]
+
+
+def test_demo_runs_a_local_pair_through_the_chat_template(tiny_pipeline, tmp_path, capsys):
+    from speculative.demo import main as demo
+
+    root, _, _ = tiny_pipeline
+    draft = DFlashDraftModel(
+        DFlashConfig.from_dict(
+            draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
+        )
+    )
+    save_draft(draft, tmp_path / "draft")
+    demo(["--target", str(root / "target"), "--draft", str(tmp_path / "draft"), "--block-sizes", "2", "4",
+          "--max-new-tokens", "8"])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["block_size"] for r in summary["prompts"]["results"]] == [2, 4]
+    assert all(r["lossless"] for r in summary["prompts"]["results"])
