@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 
@@ -61,6 +62,24 @@ class RaggedBatch:
                 index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
                 layer.keys = layer.keys.gather(2, index)
                 layer.values = layer.values.gather(2, index.expand(-1, -1, -1, layer.values.shape[-1]))
+
+    def merge(self, other: RaggedBatch) -> None:
+        """Append ``other``'s rows (same models) after this batch's rows; the
+        shorter side is left-padded with ignored slots so columns line up."""
+        width = max(self.num_slots, other.num_slots)
+        for side in (self, other):
+            pad = width - side.num_slots
+            if pad:
+                side.slot_positions = F.pad(side.slot_positions, (pad, 0), value=-1)
+                for cache in side._caches():
+                    for layer in cache.layers:
+                        layer.keys = F.pad(layer.keys, (0, 0, pad, 0))
+                        layer.values = F.pad(layer.values, (0, 0, pad, 0))
+        self.slot_positions = torch.cat([self.slot_positions, other.slot_positions])
+        for mine, theirs in zip(self._caches(), other._caches(), strict=True):
+            for a, b in zip(mine.layers, theirs.layers, strict=True):
+                a.keys = torch.cat([a.keys, b.keys])
+                a.values = torch.cat([a.values, b.values])
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (indices into the batch), freeing the others' caches."""

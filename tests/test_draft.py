@@ -4,6 +4,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.draft import DFlashDraftModel
+from speculative.session import DecodeSession
 
 
 def reference_context_kv(draft: DFlashDraftModel, features: torch.Tensor, positions: torch.Tensor):
@@ -52,16 +53,15 @@ def test_block_kv_never_stays_in_the_draft_cache(monkeypatch):
     context from target forwards only, never the drafted block."""
     target, draft = tiny_target(), tiny_draft()
     seen = []
-    from speculative import decode
+    original = DecodeSession._commit
 
-    original = decode._commit
-
-    def spy(batch, *args):
-        original(batch, *args)
+    def spy(self, *args):
+        original(self, *args)
+        batch = self.batch
         target_len = batch.target_cache.layers[0].keys.shape[2]
         seen.append([layer.keys.shape[2] == target_len == batch.num_slots for layer in batch.draft_cache.layers])
 
-    monkeypatch.setattr(decode, "_commit", spy)
+    monkeypatch.setattr(DecodeSession, "_commit", spy)
     spec_generate(target, draft, random_prompts(3, seed=4), DecodeConfig(block_size=8, max_new_tokens=20))
     assert seen and all(all(row) for row in seen)
 

@@ -13,7 +13,7 @@ import torch
 from builders import draft_config_dict, random_prompts, reference_greedy, tiny_target
 from scipy.stats import chisquare
 
-from speculative import decode
+from speculative import session
 from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.distill import distill_draft
@@ -160,7 +160,7 @@ def test_the_check_detects_a_wrong_verifier(small_vocab, monkeypatch):
         n = drafts_.shape[1]
         return Verdict(torch.full((len(drafts_),), n), target_probs[:, -1].argmax(-1))
 
-    monkeypatch.setattr(decode, "verify_sampled", accept_all)
+    monkeypatch.setattr(session, "verify_sampled", accept_all)
     params = SamplingParams(temperature=1.0)
     counts, _ = spec_joint_counts(target, drafts["bad"], params, "sample")
     assert chi_square_pvalue(counts, exact_joint(target, params)) < ALPHA

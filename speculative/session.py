@@ -1,0 +1,281 @@
+"""A decoding session: rows that decode together with one DFlash draft.
+
+Rows join (prefilled in their own forward, then merged into the running batch)
+and leave between rounds, and every round may use a different block size, so
+an engine can batch continuously and follow a block-size policy. One round, for
+every row at once:
+
+  propose: ONE draft forward over ``[anchor, MASK x (b-1)]`` at the row's next b
+           positions, against the draft's context cache -> b-1 drafted tokens;
+  verify:  ONE target forward over ``[anchor, drafts]`` -> b distributions;
+  accept:  greedy prefix match or exact rejection sampling (``speculative.verify``);
+  commit:  the anchor and the accepted drafts stay in both caches, the rest of the
+           block's slots are masked out; the correction/bonus token becomes the next
+           anchor (it enters the caches when it is verified next round).
+
+``b = 1`` is plain decoding; the draft's context still grows in such rounds, so
+speculation can resume at any later round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from speculative.batch import RaggedBatch, append_draft_context, draft_context
+from speculative.draft import DFlashDraftModel
+from speculative.sampling import SamplingParams, make_generators, probabilities, sample_positions, sample_rows
+from speculative.target import TargetModel
+from speculative.verify import Verdict, verify_greedy, verify_sampled
+
+Proposal = Literal["argmax", "sample"]
+
+
+@dataclass
+class RoundStats:
+    """One propose/verify round over the batch.
+
+    accepted: committed tokens per row this round (accepted drafts + 1), i.e. tau.
+    accepted_per_position[k]: rows whose draft at block slot k+1 was accepted.
+    verified_per_position[k]: rows that had a draft at block slot k+1 verified.
+    """
+
+    batch_size: int
+    block_size: int
+    accepted: list[int]
+    accepted_per_position: list[int]
+    verified_per_position: list[int]
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tau over the rows of this round."""
+        return sum(self.accepted) / len(self.accepted)
+
+
+def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
+    """Raise ``DraftTargetMismatch`` (shapes) or ``ValueError`` (device, dtype) when
+    ``draft`` cannot run with ``target``."""
+    draft.config.check_target(
+        hidden_size=target.hidden_size,
+        num_layers=target.num_layers,
+        embedding_rows=target.embedding_rows,
+        vocab_size=target.vocab_size,
+    )
+    weight = draft.fc.weight
+    if (weight.device, weight.dtype) != (target.device, target.dtype):
+        raise ValueError(
+            f"draft is on {weight.device} in {weight.dtype} but the target is on {target.device} in "
+            f"{target.dtype}: load both on one device with one dtype"
+        )
+
+
+@dataclass
+class _Rows:
+    """Per-row state in batch order: caller's key, current anchor, sampling."""
+
+    keys: list[Hashable]
+    anchors: torch.Tensor
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+
+    def select(self, index: list[int]) -> None:
+        self.keys = [self.keys[i] for i in index]
+        self.anchors = self.anchors[torch.tensor(index, dtype=torch.long, device=self.anchors.device)]
+        self.params = [self.params[i] for i in index]
+        self.generators = [self.generators[i] for i in index]
+
+    def extend(self, other: _Rows) -> None:
+        self.keys += other.keys
+        self.anchors = torch.cat([self.anchors, other.anchors])
+        self.params += other.params
+        self.generators += other.generators
+
+
+class DecodeSession:
+    """Rows decoding together: ``add`` prefills new rows, ``step`` runs one round
+    for all of them, ``remove`` frees finished rows' caches."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DFlashDraftModel | None = None,
+        *,
+        proposal: Proposal = "argmax",
+        compact_slack: int = 64,
+    ) -> None:
+        if proposal not in ("argmax", "sample"):
+            raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
+        if draft is not None:
+            check_pair(target, draft)
+            target.capture_layers(draft.config.target_layer_ids)
+        self.target, self.draft = target, draft
+        self.proposal, self.compact_slack = proposal, compact_slack
+        self.batch: RaggedBatch | None = None
+        self.rows = _Rows([], torch.empty(0, dtype=torch.long, device=target.device), [], [])
+        self.prefill_seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self.rows.keys)
+
+    @property
+    def max_block_size(self) -> int:
+        """Largest block a round may use: the draft's trained block, 1 without a draft."""
+        return self.draft.block_size if self.draft is not None else 1
+
+    @torch.inference_mode()
+    def add(
+        self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams]
+    ) -> dict[Hashable, int]:
+        """Prefill ``prompts`` (one forward for all of them), join them to the batch,
+        and return each new row's first generated token."""
+        if not (len(keys) == len(prompts) == len(sampling)) or not prompts:
+            raise ValueError("add needs one key, prompt and sampling setting per row, and at least one row")
+        duplicate = set(keys) & set(self.rows.keys) or len(set(keys)) < len(keys)
+        if duplicate:
+            raise ValueError("row keys must be unique")
+        vocab = self.target.vocab_size
+        for key, prompt in zip(keys, prompts, strict=True):
+            if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt of row {key!r} is empty or has ids outside the vocabulary [0, {vocab})")
+        start = _clock(self.target.device)
+        batch, last_logits = self._prefill(prompts)
+        generators = make_generators(sampling, self.target.device)
+        rows = _Rows(list(keys), _sample_first(last_logits, list(sampling), generators), list(sampling), generators)
+        if self.batch is None:
+            self.batch = batch
+        else:
+            self.batch.merge(batch)
+        self.rows.extend(rows)
+        self.prefill_seconds += _clock(self.target.device) - start
+        return dict(zip(keys, rows.anchors.tolist(), strict=True))
+
+    def remove(self, keys: Sequence[Hashable]) -> None:
+        """Drop these rows and free their cache slots."""
+        gone = set(keys)
+        keep = [i for i, key in enumerate(self.rows.keys) if key not in gone]
+        if len(keep) == len(self.rows.keys):
+            return
+        self.rows.select(keep)
+        if keep:
+            self.batch.select_rows(torch.tensor(keep, device=self.target.device))
+        else:
+            self.batch = None
+
+    @torch.inference_mode()
+    def step(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
+        """One propose -> verify -> accept -> commit round over every row; returns
+        its stats and the tokens each row emits (accepted drafts, then the
+        correction or bonus)."""
+        if not 1 <= block_size <= self.max_block_size:
+            raise ValueError(f"block_size must be in [1, {self.max_block_size}], got {block_size}")
+        if not self.rows.keys:
+            raise ValueError("no rows to decode")
+        batch, device = self.batch, self.target.device
+        if batch.wasted_slots() >= self.compact_slack:
+            batch.compact()
+        positions = batch.lengths[:, None] + torch.arange(block_size, device=device)
+        t0 = _clock(device)
+        drafts, draft_probs = self._propose(positions)
+        t1 = _clock(device)
+        block = torch.cat([self.rows.anchors[:, None], drafts], dim=1)
+        capture = self.draft is not None
+        verified = self.target.forward(block, positions, batch.target_cache, batch.slot_positions, capture=capture)
+        verdict = self._accept(drafts, draft_probs, verified.logits)
+        self._commit(verdict, positions, verified.features)
+        t2 = _clock(device)
+
+        num_accepted = verdict.num_accepted.tolist()
+        emitted = {
+            key: [*d[:n], t]
+            for key, d, n, t in zip(
+                self.rows.keys, drafts.tolist(), num_accepted, verdict.next_token.tolist(), strict=True
+            )
+        }
+        self.rows.anchors = verdict.next_token
+        return _round_stats(num_accepted, block_size, t1 - t0, t2 - t1), emitted
+
+    def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
+        """Run the target over the left-padded prompts, fill both caches; returns
+        the new rows' batch state and their last logits [B, V]."""
+        device = self.target.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        positions = torch.full((len(prompts), width), -1, dtype=torch.long, device=device)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
+            positions[i, width - len(prompt) :] = torch.arange(len(prompt), device=device)
+        batch = RaggedBatch(
+            slot_positions=torch.empty(len(prompts), 0, dtype=torch.long, device=device),
+            target_cache=self.target.new_cache(),
+            draft_cache=self.target.new_cache() if self.draft is not None else None,
+        )
+        out = self.target.forward(
+            ids, positions, batch.target_cache, batch.slot_positions, capture=self.draft is not None
+        )
+        if self.draft is not None:
+            append_draft_context(batch.draft_cache, self.draft.context_kv(out.features, positions))
+        batch.commit(positions)
+        return batch, out.logits[:, -1]
+
+    def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1]
+        and, for sampled proposals, their distributions q [B, b-1, V]."""
+        anchors = self.rows.anchors
+        if positions.shape[1] == 1:
+            return anchors.new_empty(len(anchors), 0), None
+        draft = self.draft
+        block = torch.full_like(positions, draft.mask_token_id)
+        block[:, 0] = anchors
+        embeddings = self.target.embed(block) * draft.config.input_embedding_scale
+        hidden = draft(embeddings, positions, draft_context(self.batch.draft_cache), self.batch.slot_positions)
+        # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
+        logits = self.target.lm_head(hidden[:, 1:])
+        if self.proposal == "argmax":
+            return logits.argmax(dim=-1), None
+        q = probabilities(logits, self.rows.params)
+        return sample_positions(q, self.rows.generators), q
+
+    def _accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
+        params = self.rows.params
+        if all(p.greedy for p in params):
+            return verify_greedy(drafts, target_logits)
+        return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)
+
+    def _commit(self, verdict: Verdict, positions: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Keep the anchor and accepted drafts of the appended block in both caches."""
+        slots = torch.arange(positions.shape[1], device=positions.device)
+        self.batch.commit(torch.where(slots[None, :] <= verdict.num_accepted[:, None], positions, -1))
+        if self.draft is not None:
+            append_draft_context(self.batch.draft_cache, self.draft.context_kv(features, positions))
+
+
+def _sample_first(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    return sample_rows(probabilities(logits[:, None], params)[:, 0], generators)
+
+
+def _round_stats(num_accepted: list[int], b: int, draft_seconds: float, verify_seconds: float) -> RoundStats:
+    return RoundStats(
+        batch_size=len(num_accepted),
+        block_size=b,
+        accepted=[n + 1 for n in num_accepted],
+        accepted_per_position=[sum(n > k for n in num_accepted) for k in range(b - 1)],
+        verified_per_position=[len(num_accepted)] * (b - 1),
+        draft_seconds=draft_seconds,
+        verify_seconds=verify_seconds,
+    )
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,77 @@
+"""DecodeSession: rows join and leave between rounds, block size changes per
+round, and every row still gets exactly the target's greedy tokens."""
+
+import itertools
+
+import pytest
+from builders import random_prompts, reference_greedy
+
+from speculative.sampling import SamplingParams
+from speculative.session import DecodeSession
+
+NEW = 24
+
+
+def decode_until(session: DecodeSession, outputs: dict, limit: int, block_sizes) -> None:
+    """Run rounds until every row has ``limit`` tokens, removing full rows."""
+    for b in block_sizes:
+        done = [k for k, v in outputs.items() if len(v) >= limit and k in session.rows.keys]
+        session.remove(done)
+        if not len(session):
+            return
+        _, emitted = session.step(b)
+        for key, tokens in emitted.items():
+            outputs[key] += tokens
+
+
+def test_rows_joining_mid_flight_get_their_own_greedy_tokens(qwen_pair):
+    target, draft = qwen_pair
+    prompts = random_prompts(7, seed=31, min_len=3, max_len=18)
+    session = DecodeSession(target, draft, compact_slack=8)
+    outputs = {}
+    schedule = itertools.cycle([16, 4, 1, 8, 2])
+    for wave in ([0, 1, 2], [3, 4], [5, 6]):  # three arrivals, a few rounds apart
+        first = session.add(wave, [prompts[i] for i in wave], [SamplingParams()] * len(wave))
+        outputs.update({k: [t] for k, t in first.items()})
+        decode_until(session, outputs, NEW, itertools.islice(schedule, 3))
+    decode_until(session, outputs, NEW, schedule)
+    assert len(session) == 0 and session.batch is None
+    for i, prompt in enumerate(prompts):
+        assert outputs[i][:NEW] == reference_greedy(target, prompt, NEW)
+
+
+def test_block_size_one_rounds_keep_the_draft_context(qwen_pair):
+    """Plain rounds still feed the draft: speculative rounds after them accept
+    exactly what they accept for a row prefilled with the same tokens."""
+    target, draft = qwen_pair
+    prompt = random_prompts(1, seed=12, min_len=8, max_len=8)[0]
+    mixed = DecodeSession(target, draft)
+    tokens = [mixed.add(["a"], [prompt], [SamplingParams()])["a"]]
+    for _ in range(6):
+        tokens += mixed.step(1)[1]["a"]
+    fresh = DecodeSession(target, draft)
+    assert fresh.add(["a"], [prompt + tokens[:-1]], [SamplingParams()])["a"] == tokens[-1]
+    for _ in range(6):
+        (mixed_stats, mixed_out), (fresh_stats, fresh_out) = mixed.step(16), fresh.step(16)
+        assert mixed_out == fresh_out and mixed_stats.accepted == fresh_stats.accepted
+        tokens += mixed_out["a"]
+    assert tokens == reference_greedy(target, prompt, len(tokens))
+    assert mixed.batch.draft_cache.layers[0].keys.shape[2] == mixed.batch.num_slots
+
+
+def test_session_rejects_bad_use(qwen_pair):
+    target, draft = qwen_pair
+    session = DecodeSession(target, draft)
+    with pytest.raises(ValueError, match="no rows"):
+        session.step(4)
+    session.add(["x"], [[1, 2, 3]], [SamplingParams()])
+    with pytest.raises(ValueError, match="unique"):
+        session.add(["x"], [[4]], [SamplingParams()])
+    with pytest.raises(ValueError, match="block_size"):
+        session.step(17)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        session.add(["y"], [[10_000]], [SamplingParams()])
+    with pytest.raises(ValueError, match="block_size"):
+        DecodeSession(target).step(2)
+    session.remove(["x", "unknown"])
+    assert len(session) == 0
