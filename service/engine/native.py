@@ -1,0 +1,284 @@
+"""The embedded engine: a scheduler thread with continuous batching over a
+``DecodeSession`` (target + DFlash draft, CPU or GPU).
+
+Every iteration of the scheduler loop:
+  1. drop aborted rows, admit waiting requests up to ``max_batch_size`` (their
+     prefill is one forward; they join the running batch);
+  2. pick ONE block size for the step from the policy and the batch size;
+  3. run ONE round (one draft forward, one target forward) for every row;
+  4. hand each request its new tokens (text with stop strings, token ids, stats),
+     finish and free the rows that are done.
+Requests talk to the thread through a bounded waiting queue and per-request
+asyncio queues fed with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from service.engine.text import Decoder, TextStream
+from service.engine.types import (
+    BlockPolicy,
+    Delta,
+    EngineStats,
+    EngineStoppedError,
+    GenerateRequest,
+    InvalidRequestError,
+    QueueFullError,
+    SpecStats,
+)
+from speculative.draft import DFlashDraftModel
+from speculative.session import DecodeSession, RoundStats
+from speculative.target import TargetModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NativeEngineConfig:
+    """Scheduler settings: rows decoded together at most, requests waiting at most,
+    the initial block-size policy (None: the draft's trained block at every batch
+    size), cache compaction slack (slots), draft proposals."""
+
+    max_batch_size: int = 16
+    max_waiting: int = 64
+    policy: BlockPolicy | None = None
+    compact_slack: int = 64
+    proposal: str = "argmax"
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_waiting < 0:
+            raise ValueError("max_batch_size must be >= 1 and max_waiting >= 0")
+
+
+@dataclass
+class _Job:
+    """A request inside the engine."""
+
+    request: GenerateRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    text: TextStream
+    generated: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+    aborted: bool = False
+
+    def send(self, delta: Delta) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, delta)
+
+
+class NativeEngine:
+    """Continuous-batching DFlash engine on a scheduler thread."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DFlashDraftModel | None,
+        tokenizer: Decoder,
+        config: NativeEngineConfig | None = None,
+        on_step: collections.abc.Callable[[RoundStats, float], None] | None = None,
+    ) -> None:
+        config = config or NativeEngineConfig()
+        self.session = DecodeSession(target, draft, proposal=config.proposal, compact_slack=config.compact_slack)
+        self.target, self.tokenizer, self.config = target, tokenizer, config
+        self.on_step = on_step
+        self._policy = config.policy or BlockPolicy.fixed(self.session.max_block_size)
+        self._check_policy(self._policy)
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._running: dict[str, _Job] = {}
+        self._lock = threading.Condition()
+        self._draining = False
+        self._stopped = False
+        self._last_block = self._policy.block_size(1)
+        self._thread = threading.Thread(target=self._run, name="dflash-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ control
+
+    def start(self) -> None:
+        """Start the scheduler thread."""
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting; with ``drain`` finish in-flight and waiting requests
+        first, else abort them. Blocks until the thread ends (or ``timeout``)."""
+        with self._lock:
+            self._draining = self._stopped = True
+            if not drain:
+                for job in [*self._waiting, *self._running.values()]:
+                    job.aborted = True
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def set_policy(self, policy: BlockPolicy) -> None:
+        """Use ``policy`` from the next step on."""
+        self._check_policy(policy)
+        with self._lock:
+            self._policy = policy
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests, the last step's block size, draining."""
+        with self._lock:
+            return EngineStats(len(self._running), len(self._waiting), self._last_block, self._draining)
+
+    @property
+    def max_block_size(self) -> int:
+        return self.session.max_block_size
+
+    def _check_policy(self, policy: BlockPolicy) -> None:
+        if max(policy.block_sizes) > self.session.max_block_size:
+            raise ValueError(f"policy block sizes {policy.block_sizes} exceed {self.session.max_block_size}")
+
+    # ----------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """Admit ``request`` and stream its deltas; leaving the iteration early
+        (client gone) aborts it and frees its slot."""
+        self._validate(request)
+        job = _Job(request, asyncio.get_running_loop(), asyncio.Queue(), TextStream(self.tokenizer, request.stop))
+        with self._lock:
+            if self._draining:
+                raise EngineStoppedError("the server is shutting down")
+            if len(self._waiting) >= self.config.max_waiting:
+                raise QueueFullError(f"{len(self._waiting)} requests already waiting")
+            self._waiting.append(job)
+            self._lock.notify_all()
+        finished = False
+        try:
+            while not finished:
+                delta = await job.out.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its row is freed before the next step."""
+        with self._lock:
+            for job in [*self._waiting, *self._running.values()]:
+                if job.request.request_id == request_id:
+                    job.aborted = True
+            self._lock.notify_all()
+
+    def _validate(self, request: GenerateRequest) -> None:
+        limit = self.target.context_length
+        need = len(request.prompt_ids) + request.max_tokens + self.session.max_block_size
+        if not request.prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1")
+        if need > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(request.prompt_ids)} tokens and {request.max_tokens} were requested for the completion"
+            )
+        vocab = self.target.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+    # ---------------------------------------------------------------- scheduler
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._running and not self._stopped:
+                    self._lock.wait()
+                if self._stopped and not self._waiting and not self._running:
+                    return
+                admitted = self._admit()
+                policy = self._policy
+            try:
+                self._drop_aborted()
+                if admitted:
+                    self._prefill(admitted)
+                if self._running:
+                    self._step(policy)
+            except Exception:  # a failing step must not leave requests hanging
+                log.exception("scheduler step failed; failing its requests")
+                self._fail_all()
+
+    def _admit(self) -> list[_Job]:
+        free = self.config.max_batch_size - len(self._running)
+        admitted = []
+        while self._waiting and free > 0:
+            job = self._waiting.popleft()
+            if job.aborted:
+                job.send(Delta("", (), "abort"))
+                continue
+            admitted.append(job)
+            free -= 1
+        return admitted
+
+    def _prefill(self, jobs: list[_Job]) -> None:
+        keys = [j.request.request_id for j in jobs]
+        first = self.session.add(keys, [j.request.prompt_ids for j in jobs], [j.request.sampling for j in jobs])
+        with self._lock:
+            self._running.update(zip(keys, jobs, strict=True))
+        self._deliver({key: [token] for key, token in first.items()}, None)
+
+    def _step(self, policy: BlockPolicy) -> None:
+        batch = len(self.session)
+        b = policy.block_size(batch)
+        stats, emitted = self.session.step(b)
+        self._last_block = b
+        if self.on_step is not None:
+            self.on_step(stats, stats.draft_seconds + stats.verify_seconds)
+        self._deliver(emitted, stats)
+
+    def _deliver(self, emitted: dict[str, list[int]], stats: RoundStats | None) -> None:
+        """Send each row its tokens; finish rows at a stop token, stop string or
+        the length limit; free finished rows."""
+        done = []
+        accepted = dict(zip(self.session.rows.keys, stats.accepted, strict=True)) if stats else {}
+        for key, tokens in emitted.items():
+            job = self._running[key]
+            if stats is not None and stats.block_size > 1:
+                job.spec = SpecStats(
+                    job.spec.rounds + 1, job.spec.drafted + stats.block_size - 1, job.spec.accepted + accepted[key] - 1
+                )
+            finish, kept = None, []
+            for token in tokens:
+                kept.append(token)
+                if token in job.request.stop_token_ids:
+                    finish = "stop"
+                    break
+                if job.generated + len(kept) >= job.request.max_tokens:
+                    finish = "length"
+                    break
+            job.generated += len(kept)
+            text = job.text.push(kept, final=finish is not None)
+            if job.text.stopped:
+                finish = "stop"
+            job.send(Delta(text, tuple(kept), finish, len(job.request.prompt_ids), job.generated, job.spec))
+            if finish is not None:
+                done.append(key)
+        self._finish(done)
+
+    def _drop_aborted(self) -> None:
+        with self._lock:
+            gone = [key for key, job in self._running.items() if job.aborted]
+        for key in gone:
+            self._running[key].send(Delta("", (), "abort"))
+        self._finish(gone)
+
+    def _finish(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        self.session.remove(keys)
+        with self._lock:
+            for key in keys:
+                self._running.pop(key, None)
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            jobs = [*self._running.values()]
+            self._running.clear()
+        for job in jobs:
+            job.send(Delta("", (), "error"))
+        self.session.remove([j.request.request_id for j in jobs])

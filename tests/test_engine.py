@@ -1,0 +1,186 @@
+"""The native engine: continuous batching, stops, aborts, back-pressure,
+draining and the block-size policy, on the tiny pipeline model and tokenizer."""
+
+import asyncio
+
+import pytest
+from builders import draft_config_dict
+from transformers import AutoTokenizer
+
+from service.engine import (
+    BlockPolicy,
+    EngineStoppedError,
+    GenerateRequest,
+    InvalidRequestError,
+    NativeEngine,
+    NativeEngineConfig,
+    QueueFullError,
+)
+from speculative.config import DFlashConfig
+from speculative.decode import DecodeConfig, spec_generate
+from speculative.distill import distill_draft
+from speculative.draft import DFlashDraftModel
+from speculative.target import TargetModel
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pipeline):
+    root, _, _ = tiny_pipeline
+    target = TargetModel.from_pretrained(root / "target")
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    raw = draft_config_dict(vocab=320, mask_token_id=3, block_size=8, max_position_embeddings=2048)
+    draft = DFlashDraftModel(DFlashConfig.from_dict(raw))
+    prompts = [[5 + i, 40, 41, 42, 43, 44] for i in range(32)]
+    result = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=40))
+    import torch
+
+    sequences = torch.tensor([p + o for p, o in zip(prompts, result.tokens, strict=True)])
+    distill_draft(draft, target, sequences, 6, steps=60)
+    return target, draft, tokenizer
+
+
+def prompts(n: int) -> list[tuple[int, ...]]:
+    return [tuple(10 + (7 * i + j) % 200 for j in range(3 + i % 5)) for i in range(n)]
+
+
+def greedy(target, prompt, n):
+    return spec_generate(target, None, [list(prompt)], DecodeConfig(block_size=1, max_new_tokens=n)).tokens[0]
+
+
+async def collect(engine, request):
+    deltas = [d async for d in engine.generate(request)]
+    ids = [t for d in deltas for t in d.token_ids]
+    return deltas, ids, "".join(d.text for d in deltas)
+
+
+def run(engine, coro):
+    engine.start()
+    try:
+        return asyncio.run(coro)
+    finally:
+        engine.stop()
+
+
+def test_concurrent_requests_get_their_greedy_tokens_and_text(pair):
+    target, draft, tokenizer = pair
+    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=3, policy=BlockPolicy.fixed(8)))
+    requests = [GenerateRequest(f"r{i}", p, max_tokens=10 + 3 * i) for i, p in enumerate(prompts(7))]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    results = run(engine, main())
+    for request, (deltas, ids, text) in zip(requests, results, strict=True):
+        assert ids == greedy(target, request.prompt_ids, request.max_tokens)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == request.max_tokens
+        assert deltas[-1].prompt_tokens == len(request.prompt_ids)
+        assert deltas[-1].spec.rounds > 0 and deltas[-1].spec.acceptance_length >= 1
+    assert engine.session.batch is None and engine.stats().running == 0
+
+
+def test_stop_token_and_stop_string(pair):
+    target, draft, tokenizer = pair
+    prompt = prompts(1)[0]
+    reference = greedy(target, prompt, 30)
+    stop_id = reference[6]
+    full_text = tokenizer.decode(reference, skip_special_tokens=True)
+    stop_text = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    engine = NativeEngine(target, draft, tokenizer)
+
+    async def main():
+        by_id = await collect(engine, GenerateRequest("a", prompt, 30, stop_token_ids=(stop_id,)))
+        by_text = await collect(engine, GenerateRequest("b", prompt, 30, stop=(stop_text,)))
+        return by_id, by_text
+
+    (deltas, ids, _), (text_deltas, _, text) = run(engine, main())
+    assert ids == reference[: reference.index(stop_id) + 1] and deltas[-1].finish_reason == "stop"
+    assert text == full_text[: full_text.index(stop_text)] and text_deltas[-1].finish_reason == "stop"
+
+
+def test_abandoned_stream_frees_its_slot(pair):
+    target, draft, tokenizer = pair
+    steps = []
+    engine = NativeEngine(target, draft, tokenizer, on_step=lambda s, _: steps.append(s))
+
+    async def main():
+        stream = engine.generate(GenerateRequest("gone", prompts(1)[0], 1500))
+        async for _ in stream:
+            break  # the client disconnects after the first delta
+        await stream.aclose()
+        for _ in range(200):
+            if engine.stats().running == 0 and len(engine.session) == 0:
+                # Freed long before 1500 tokens (>= 188 rounds of at most 8) were made.
+                return len(steps) < 100
+            await asyncio.sleep(0.01)
+        return False
+
+    assert run(engine, main())
+
+
+def test_full_queue_is_refused_and_draining_refuses_new_work(pair):
+    target, draft, tokenizer = pair
+    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=1, max_waiting=1))
+
+    async def main():
+        first = asyncio.create_task(collect(engine, GenerateRequest("1", prompts(1)[0], 60)))
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(collect(engine, GenerateRequest("2", prompts(2)[1], 5)))
+        while engine.stats().waiting == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(QueueFullError):
+            await collect(engine, GenerateRequest("3", prompts(3)[2], 5))
+        return await first, await second
+
+    (_, ids1, _), (_, ids2, _) = run(engine, main())
+    assert len(ids1) == 60 and len(ids2) == 5
+    with pytest.raises(EngineStoppedError):
+        asyncio.run(collect(engine, GenerateRequest("4", prompts(1)[0], 5)))
+
+
+def test_drain_finishes_in_flight_requests(pair):
+    target, draft, tokenizer = pair
+    engine = NativeEngine(target, draft, tokenizer)
+    engine.start()
+
+    async def main():
+        task = asyncio.create_task(collect(engine, GenerateRequest("d", prompts(1)[0], 40)))
+        while engine.stats().running == 0:
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(engine.stop, True)
+        return await task
+
+    deltas, ids, _ = asyncio.run(main())
+    assert len(ids) == 40 and deltas[-1].finish_reason == "length"
+
+
+def test_policy_picks_the_block_size_per_batch_size(pair):
+    target, draft, tokenizer = pair
+    seen = []
+    engine = NativeEngine(
+        target, draft, tokenizer, NativeEngineConfig(max_batch_size=4), on_step=lambda s, _: seen.append(s)
+    )
+    engine.set_policy(BlockPolicy(min_batch=(1, 3), block_sizes=(8, 1)))
+    with pytest.raises(ValueError):
+        engine.set_policy(BlockPolicy.fixed(9))
+    lengths = [6, 12, 30, 40]  # the batch shrinks from 4 rows to 1 as requests finish
+    requests = [GenerateRequest(f"p{i}", p, n) for i, (p, n) in enumerate(zip(prompts(4), lengths, strict=True))]
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests))
+
+    results = run(engine, main())
+    for request, (_, ids, _) in zip(requests, results, strict=True):
+        assert ids == greedy(target, request.prompt_ids, request.max_tokens)
+    assert {(s.batch_size >= 3, s.block_size) for s in seen} <= {(True, 1), (False, 8)}
+    assert any(s.block_size == 1 for s in seen) and any(s.block_size == 8 for s in seen)
+
+
+def test_requests_beyond_the_context_are_invalid(pair):
+    target, draft, tokenizer = pair
+    engine = NativeEngine(target, draft, tokenizer)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        asyncio.run(collect(engine, GenerateRequest("x", (5,) * 2000, 100)))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        asyncio.run(collect(engine, GenerateRequest("y", (), 10)))
