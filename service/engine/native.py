@@ -144,8 +144,9 @@ class NativeEngine:
         with self._lock:
             if self._draining:
                 raise EngineStoppedError("the server is shutting down")
-            if len(self._waiting) >= self.config.max_waiting:
-                raise QueueFullError(f"{len(self._waiting)} requests already waiting")
+            capacity = self.config.max_batch_size + self.config.max_waiting
+            if len(self._waiting) + len(self._running) >= capacity:
+                raise QueueFullError(f"{len(self._running)} requests running and {len(self._waiting)} waiting")
             self._waiting.append(job)
             self._lock.notify_all()
         finished = False

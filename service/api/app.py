@@ -1,0 +1,212 @@
+"""The FastAPI app: OpenAI-compatible endpoints over an engine.
+
+``build_app(settings, engine, tokenizer)``: the engine starts in the lifespan and
+drains when the app shuts down; everything lives on ``app.state``; every error
+goes through ``service.api.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from service.api.errors import APIError, from_engine_error, install_handlers
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from service.config import ServeSettings
+from service.engine import Delta, EngineError, GenerateRequest, NativeEngine
+from speculative.sampling import SamplingParams
+
+
+def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer) -> FastAPI:
+    """The service's app; ``engine`` is started and drained by its lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        app.state.ready = True
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            await asyncio.to_thread(engine.stop, True, settings.drain_timeout_s)
+
+    app = FastAPI(title="dflash-serve", lifespan=lifespan)
+    app.state.settings, app.state.engine, app.state.tokenizer = settings, engine, tokenizer
+    app.state.ready = False
+    app.state.stop_ids = _stop_token_ids(tokenizer)
+    install_handlers(app)
+    authorized = Depends(_check_api_key)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = app.state.ready and not engine.stats().draining
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models", dependencies=[authorized])
+    async def models() -> dict:
+        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", dependencies=[authorized])
+    async def chat(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, settings)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
+
+    @app.post("/v1/completions", dependencies=[authorized])
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, settings)
+        prompt = body.prompt
+        prompt_ids = (
+            list(prompt) if isinstance(prompt, list) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        )
+        return await _serve(request, body, prompt_ids, body.max_tokens, "text_completion", "cmpl")
+
+    return app
+
+
+async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                 kind: str, prefix: str):  # fmt: skip
+    app = request.app
+    engine: NativeEngine = app.state.engine
+    limit = engine.target.context_length - len(prompt_ids) - engine.max_block_size
+    generate = GenerateRequest(
+        request_id=f"{prefix}-{uuid.uuid4().hex}",
+        prompt_ids=tuple(prompt_ids),
+        max_tokens=max_tokens if max_tokens is not None else max(1, limit),
+        sampling=SamplingParams(
+            temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed
+        ),
+        stop_token_ids=app.state.stop_ids,
+        stop=tuple(body.stop or ()),
+    )
+    stream = engine.generate(generate)
+    try:
+        first = await anext(stream)  # admission errors surface here, before any byte is sent
+    except EngineError as exc:
+        raise from_engine_error(exc) from exc
+    meta = {"id": generate.request_id, "created": int(time.time()), "model": body.model, "kind": kind}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(stream, first, meta, include_usage), media_type="text/event-stream")
+    return await _complete(request, stream, first, meta)
+
+
+async def _complete(request: Request, stream: AsyncIterator[Delta], first: Delta, meta: dict) -> dict:
+    """Collect a whole completion; abort it if the client goes away."""
+    deltas = [first]
+
+    async def collect() -> None:
+        async for delta in stream:
+            deltas.append(delta)
+
+    task = asyncio.create_task(collect())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await stream.aclose()
+            return JSONResponse({"error": "client disconnected"}, status_code=499)
+    task.result()
+    last = deltas[-1]
+    if last.finish_reason == "error":
+        raise APIError(500, "generation failed", type="server_error")
+    text = "".join(d.text for d in deltas)
+    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    if meta["kind"] == "chat.completion":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": meta["id"], "object": meta["kind"], "created": meta["created"], "model": meta["model"],
+        "choices": [choice], "usage": _usage(last), "speculative": _spec(last),
+    }  # fmt: skip
+
+
+async def _sse(stream: AsyncIterator[Delta], first: Delta, meta: dict, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; leaving early (client gone) closes ``stream``, which
+    aborts the request in the engine."""
+    chat = meta["kind"] == "chat.completion"
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
+
+    def chunk(text: str, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return _event({**head, "choices": [choice]})
+
+    try:
+        delta, role = first, chat
+        while True:
+            if delta.finish_reason == "error":
+                yield _event({"error": {"message": "generation failed", "type": "server_error", "param": None,
+                                        "code": None}})  # fmt: skip
+                break
+            if delta.text or role or delta.finish_reason:
+                yield chunk(delta.text, delta.finish_reason, role)
+                role = False
+            if delta.finish_reason is not None:
+                if include_usage:
+                    yield _event({**head, "choices": [], "usage": _usage(delta), "speculative": _spec(delta)})
+                break
+            delta = await anext(stream)
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(delta: Delta) -> dict:
+    return {
+        "prompt_tokens": delta.prompt_tokens,
+        "completion_tokens": delta.completion_tokens,
+        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+    }
+
+
+def _spec(delta: Delta) -> dict:
+    """Per-request speculative decoding figures (vLLM/SGLang-style extension)."""
+    return {
+        "acceptance_length": round(delta.spec.acceptance_length, 4),
+        "verify_rounds": delta.spec.rounds,
+        "draft_tokens": delta.spec.drafted,
+        "accepted_tokens": delta.spec.accepted,
+    }
+
+
+def _check_model(name: str, settings: ServeSettings) -> None:
+    if name != settings.model_name:
+        raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+
+
+def _check_api_key(request: Request) -> None:
+    key = request.app.state.settings.api_key
+    if key and request.headers.get("authorization") != f"Bearer {key}":
+        raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+
+def _stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """End of turn and end of text both end a generation."""
+    ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return tuple(sorted(i for i in ids if i is not None))

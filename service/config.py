@@ -1,0 +1,34 @@
+"""Service settings: command-line flags and ``DFLASH_*`` environment variables,
+from one pydantic-settings model (flags are generated from it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BUNDLED_TARGET = Path("models/pycoder-12m")
+BUNDLED_DRAFT = Path("models/pycoder-12m-dflash-b16")
+
+
+class ServeSettings(BaseSettings):
+    """``dflash-serve`` configuration (env: ``DFLASH_<NAME>``)."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_", frozen=True, cli_parse_args=False)
+
+    target: Path = Field(default=BUNDLED_TARGET, description="target model directory (transformers format)")
+    draft: Path | None = Field(default=BUNDLED_DRAFT, description="DFlash draft directory; none: plain decoding")
+    served_model_name: str = Field(default="", description="model id in the API (default: target directory name)")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>' when set")
+    device: str = "cpu"
+    max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
+    max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
+    block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")
+    drain_timeout_s: float = Field(default=60.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target.name

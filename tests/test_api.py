@@ -1,0 +1,215 @@
+"""The HTTP API against a live uvicorn server on loopback, with the official
+``openai`` client (and raw HTTP where the client cannot send the bad input)."""
+
+import asyncio
+import threading
+import time
+
+import httpx2
+import openai
+import pytest
+import uvicorn
+from builders import draft_config_dict
+from transformers import AutoTokenizer
+
+from service.api.app import build_app
+from service.config import ServeSettings
+from service.engine import NativeEngine, NativeEngineConfig
+from speculative.config import DFlashConfig
+from speculative.decode import DecodeConfig, spec_generate
+from speculative.draft import DFlashDraftModel
+from speculative.target import TargetModel
+
+
+class LiveServer:
+    """uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        for _ in range(500):
+            if self.server.started:
+                port = self.server.servers[0].sockets[0].getsockname()[1]
+                return f"http://127.0.0.1:{port}"
+            time.sleep(0.01)
+        raise RuntimeError("server did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_pipeline):
+    root, _, _ = tiny_pipeline
+    target = TargetModel.from_pretrained(root / "target")
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    draft = DFlashDraftModel(
+        DFlashConfig.from_dict(
+            draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
+        )
+    )
+    return root, target, draft, tokenizer
+
+
+def make_server(model, on_step=None, **settings):
+    root, target, draft, tokenizer = model
+    engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
+    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
+    app = build_app(ServeSettings(target=root / "target", draft=None, **settings), engine, tokenizer)
+    return LiveServer(app), engine
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    live, engine = make_server(model)
+    with live as url:
+        yield url, engine
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def greedy_text(model, text_prompt_ids, n):
+    _, target, _, tokenizer = model
+    ids = spec_generate(target, None, [text_prompt_ids], DecodeConfig(1, n, (0, 2))).tokens[0]
+    return tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+def chat_ids(tokenizer, content):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_completion_equals_offline_greedy(model, client):
+    tokenizer = model[3]
+    reply = client.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=20, temperature=0
+    )
+    expected, ids = greedy_text(model, chat_ids(tokenizer, "def add(a, b):"), 20)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == ("stop" if ids[-1] in (0, 2) else "length")
+    assert reply.usage.completion_tokens == len(ids)
+    assert reply.usage.prompt_tokens == len(chat_ids(tokenizer, "def add(a, b):"))
+    assert reply.model_extra["speculative"]["verify_rounds"] >= 1
+
+
+def test_completions_with_text_and_token_prompts(model, client):
+    tokenizer = model[3]
+    prompt_ids = tokenizer("import json\n", add_special_tokens=False)["input_ids"]
+    expected, _ = greedy_text(model, prompt_ids, 12)
+    by_text = client.completions.create(model="target", prompt="import json\n", max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model="target", prompt=prompt_ids, max_tokens=12, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text == expected
+
+
+def test_streaming_matches_non_streaming_and_reports_usage(client):
+    kwargs = dict(model="target", messages=[{"role": "user", "content": "class Stack:"}], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_concurrent_requests_match_sequential_ones(server, client):
+    prompts = [f"def f{i}(x):" for i in range(6)]
+    alone = [
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": p}], max_tokens=16,
+                                       temperature=0).choices[0].message.content
+        for p in prompts
+    ]  # fmt: skip
+
+    async def together():
+        aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+        replies = await asyncio.gather(
+            *(aclient.chat.completions.create(model="target", messages=[{"role": "user", "content": p}],
+                                              max_tokens=16, temperature=0) for p in prompts)
+        )  # fmt: skip
+        return [r.choices[0].message.content for r in replies]
+
+    assert asyncio.run(together()) == alone
+
+
+def test_models_health_ready(server, client):
+    assert [m.id for m in client.models.list().data] == ["target"]
+    assert httpx2.get(server[0] + "/health").json() == {"status": "ok"}
+    assert httpx2.get(server[0] + "/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+        (dict(n=2), None),
+        (dict(temperature=5), "temperature"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(logprobs=True), None),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    ],
+)
+def test_bad_fields_are_400_with_openai_shape(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "x"}], **kwargs)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["type"] == "invalid_request_error" and error["message"]
+    if param:
+        assert error["param"] == param
+
+
+def test_unknown_model_invalid_json_and_context_overflow(server, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["code"] == "model_not_found"
+    raw = httpx2.post(server[0] + "/v1/chat/completions", content=b"{not json",
+                      headers={"content-type": "application/json"})  # fmt: skip
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="target", prompt="x " * 3000, max_tokens=10)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+def test_wrong_api_key_is_401(model):
+    live, _ = make_server(model, api_key="secret")
+    with live as url:
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
+        assert good.models.list().data[0].id == "target"
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    url, engine = server
+    # Greedy: this tiny model runs on for 1500 tokens without a stop token.
+    body = {"model": "target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1500, "stream": True,
+            "temperature": 0}  # fmt: skip
+    with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # first chunk seen: hang up
+    for _ in range(300):
+        if engine.stats().running == 0 and len(engine.session) == 0:
+            break
+        time.sleep(0.01)
+    assert engine.stats().running == 0 and len(engine.session) == 0
+
+
+def test_full_queue_is_429_with_retry_after(model):
+    # Slowed steps keep the first request (>= 375 rounds) running while the second arrives.
+    live, _ = make_server(model, on_step=lambda *_: time.sleep(0.01), max_batch_size=1, max_waiting=0)
+    body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0}
+    with live as url, httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as busy:
+        assert busy.status_code == 200
+        lines = busy.iter_lines()  # keep a reference: a dropped iterator closes the response
+        assert next(lines).startswith("data:")
+        refused = httpx2.post(url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
