@@ -10,11 +10,13 @@ import openai
 import pytest
 import uvicorn
 from builders import draft_config_dict
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from service.api.app import build_app
 from service.config import ServeSettings
 from service.engine import NativeEngine, NativeEngineConfig
+from service.metrics import Metrics, batch_bucket
 from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.draft import DFlashDraftModel
@@ -55,11 +57,18 @@ def model(tiny_pipeline):
     return root, target, draft, tokenizer
 
 
-def make_server(model, on_step=None, **settings):
+def make_server(model, slow_steps=False, **settings):
     root, target, draft, tokenizer = model
     engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
+    metrics = Metrics()
+
+    def on_step(stats, seconds):
+        metrics.observe_step(stats, seconds)
+        if slow_steps:
+            time.sleep(0.01)
+
     engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
-    app = build_app(ServeSettings(target=root / "target", draft=None, **settings), engine, tokenizer)
+    app = build_app(ServeSettings(target=root / "target", draft=None, **settings), engine, tokenizer, metrics)
     return LiveServer(app), engine
 
 
@@ -200,11 +209,13 @@ def test_disconnect_mid_stream_frees_the_slot(server):
             break
         time.sleep(0.01)
     assert engine.stats().running == 0 and len(engine.session) == 0
+    metrics = httpx2.get(url + "/metrics").text
+    assert 'dflash_requests_total{finish_reason="abort"}' in metrics
 
 
 def test_full_queue_is_429_with_retry_after(model):
     # Slowed steps keep the first request (>= 375 rounds) running while the second arrives.
-    live, _ = make_server(model, on_step=lambda *_: time.sleep(0.01), max_batch_size=1, max_waiting=0)
+    live, _ = make_server(model, slow_steps=True, max_batch_size=1, max_waiting=0)
     body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0}
     with live as url, httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as busy:
         assert busy.status_code == 200
@@ -213,3 +224,33 @@ def test_full_queue_is_429_with_retry_after(model):
         refused = httpx2.post(url + "/v1/completions", json={**body, "stream": False}, timeout=30)
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_metrics_count_steps_tokens_and_requests(server, client):
+    url, _ = server
+    client.chat.completions.create(model="target", messages=[{"role": "user", "content": "m"}], max_tokens=8,
+                                   temperature=0)  # fmt: skip
+    samples = [s for f in text_string_to_metric_families(httpx2.get(url + "/metrics").text) for s in f.samples]
+
+    def value(name, **labels):
+        return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("dflash_verify_steps_total", block_size="4") > 0
+    assert value("dflash_requests_total", finish_reason="length") >= 1
+    assert value("dflash_generation_tokens_total") >= 8
+    assert value("dflash_draft_tokens_total") == sum(
+        value("dflash_verified_tokens_per_position_total", position=str(k)) for k in (1, 2, 3)
+    )
+    for k in (1, 2, 3):
+        assert value("dflash_accepted_tokens_per_position_total", position=str(k)) <= value(
+            "dflash_verified_tokens_per_position_total", position=str(k)
+        )
+    assert value("dflash_time_to_first_token_seconds_count") >= 1
+    assert value("dflash_running_requests") == 0
+    assert value("dflash_step_seconds_count", block_size="4", batch_bucket="1") > 0
+
+
+def test_batch_buckets():
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 63, 64, 500)] == [
+        "1", "2-3", "2-3", "4-7", "4-7", "8-15", "32-63", "64+", "64+"
+    ]  # fmt: skip

@@ -15,17 +15,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.errors import APIError, from_engine_error, install_handlers
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from service.config import ServeSettings
 from service.engine import Delta, EngineError, GenerateRequest, NativeEngine
+from service.metrics import Metrics
 from speculative.sampling import SamplingParams
 
 
-def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer) -> FastAPI:
-    """The service's app; ``engine`` is started and drained by its lifespan."""
+def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer, metrics: Metrics | None = None) -> FastAPI:
+    """The service's app; ``engine`` is started and drained by its lifespan.
+    ``metrics`` should be the object the engine reports its steps to."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -39,6 +42,7 @@ def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer) -> FastA
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan)
     app.state.settings, app.state.engine, app.state.tokenizer = settings, engine, tokenizer
+    app.state.metrics = metrics or Metrics()
     app.state.ready = False
     app.state.stop_ids = _stop_token_ids(tokenizer)
     install_handlers(app)
@@ -52,6 +56,11 @@ def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer) -> FastA
     async def ready() -> JSONResponse:
         ok = app.state.ready and not engine.stats().draining
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        stats = engine.stats()
+        return Response(app.state.metrics.render(stats.running, stats.waiting), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[authorized])
     async def models() -> dict:
@@ -94,21 +103,47 @@ async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], 
         stop_token_ids=app.state.stop_ids,
         stop=tuple(body.stop or ()),
     )
+    started = time.perf_counter()
     stream = engine.generate(generate)
     try:
         first = await anext(stream)  # admission errors surface here, before any byte is sent
     except EngineError as exc:
         raise from_engine_error(exc) from exc
+    deltas = _metered(stream, first, app.state.metrics, started, len(prompt_ids))
     meta = {"id": generate.request_id, "created": int(time.time()), "model": body.model, "kind": kind}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(stream, first, meta, include_usage), media_type="text/event-stream")
-    return await _complete(request, stream, first, meta)
+        return StreamingResponse(_sse(deltas, meta, include_usage), media_type="text/event-stream")
+    return await _complete(request, deltas, meta)
 
 
-async def _complete(request: Request, stream: AsyncIterator[Delta], first: Delta, meta: dict) -> dict:
+async def _metered(
+    stream: AsyncIterator[Delta], first: Delta, metrics: Metrics, started: float, prompt_tokens: int
+) -> AsyncIterator[Delta]:
+    """The request's deltas, first included, with TTFT, inter-delta latency,
+    token and request metrics recorded; closing it aborts the request."""
+    last = time.perf_counter()
+    metrics.ttft.observe(last - started)
+    delta, finish = first, "abort"
+    try:
+        while True:
+            metrics.generation_tokens.inc(len(delta.token_ids))
+            yield delta
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+                break
+            delta = await anext(stream)
+            now = time.perf_counter()
+            metrics.itl.observe(now - last)
+            last = now
+    finally:
+        metrics.observe_request(prompt_tokens=prompt_tokens, finish_reason=finish, e2e=time.perf_counter() - started)
+        await stream.aclose()
+
+
+async def _complete(request: Request, stream: AsyncIterator[Delta], meta: dict) -> dict:
     """Collect a whole completion; abort it if the client goes away."""
-    deltas = [first]
+    deltas: list[Delta] = []
 
     async def collect() -> None:
         async for delta in stream:
@@ -138,7 +173,7 @@ async def _complete(request: Request, stream: AsyncIterator[Delta], first: Delta
     }  # fmt: skip
 
 
-async def _sse(stream: AsyncIterator[Delta], first: Delta, meta: dict, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(stream: AsyncIterator[Delta], meta: dict, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events; leaving early (client gone) closes ``stream``, which
     aborts the request in the engine."""
     chat = meta["kind"] == "chat.completion"
@@ -154,8 +189,8 @@ async def _sse(stream: AsyncIterator[Delta], first: Delta, meta: dict, include_u
         return _event({**head, "choices": [choice]})
 
     try:
-        delta, role = first, chat
-        while True:
+        role = chat
+        async for delta in stream:
             if delta.finish_reason == "error":
                 yield _event({"error": {"message": "generation failed", "type": "server_error", "param": None,
                                         "code": None}})  # fmt: skip
@@ -167,7 +202,6 @@ async def _sse(stream: AsyncIterator[Delta], first: Delta, meta: dict, include_u
                 if include_usage:
                     yield _event({**head, "choices": [], "usage": _usage(delta), "speculative": _spec(delta)})
                 break
-            delta = await anext(stream)
         yield "data: [DONE]\n\n"
     finally:
         await stream.aclose()
