@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import HIDDEN, SMALL_CORPUS, random_prompts, tiny_draft, tiny_target
+from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, random_prompts, tiny_draft, tiny_target
 
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.distill import distill_draft
@@ -62,3 +62,20 @@ def tiny_pipeline(tmp_path_factory):
         root / "target", prompts, root / "data", RegenerateConfig(max_new_tokens=48, batch_size=5), source="test"
     )
     return root, target_summary, meta
+
+
+@pytest.fixture(scope="session")
+def model(tiny_pipeline):
+    """The tiny pipeline target with its tokenizer and a random b4 draft:
+    (root, target, draft, tokenizer) for service tests."""
+    from transformers import AutoTokenizer
+
+    from speculative.config import DFlashConfig
+    from speculative.draft import DFlashDraftModel
+    from speculative.target import TargetModel
+
+    root, _, _ = tiny_pipeline
+    target = TargetModel.from_pretrained(root / "target")
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    raw = draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
+    return root, target, DFlashDraftModel(DFlashConfig.from_dict(raw)), tokenizer

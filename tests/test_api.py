@@ -2,74 +2,16 @@
 ``openai`` client (and raw HTTP where the client cannot send the bad input)."""
 
 import asyncio
-import threading
 import time
 
 import httpx2
 import openai
 import pytest
-import uvicorn
-from builders import draft_config_dict
+from live import make_server
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
-from service.api.app import build_app
-from service.config import ServeSettings
-from service.engine import NativeEngine, NativeEngineConfig
-from service.metrics import Metrics, batch_bucket
-from speculative.config import DFlashConfig
+from service.metrics import batch_bucket
 from speculative.decode import DecodeConfig, spec_generate
-from speculative.draft import DFlashDraftModel
-from speculative.target import TargetModel
-
-
-class LiveServer:
-    """uvicorn in a thread on a free loopback port."""
-
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        for _ in range(500):
-            if self.server.started:
-                port = self.server.servers[0].sockets[0].getsockname()[1]
-                return f"http://127.0.0.1:{port}"
-            time.sleep(0.01)
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_pipeline):
-    root, _, _ = tiny_pipeline
-    target = TargetModel.from_pretrained(root / "target")
-    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
-    draft = DFlashDraftModel(
-        DFlashConfig.from_dict(
-            draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
-        )
-    )
-    return root, target, draft, tokenizer
-
-
-def make_server(model, slow_steps=False, **settings):
-    root, target, draft, tokenizer = model
-    engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
-    metrics = Metrics()
-
-    def on_step(stats, seconds):
-        metrics.observe_step(stats, seconds)
-        if slow_steps:
-            time.sleep(0.01)
-
-    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
-    app = build_app(ServeSettings(target=root / "target", draft=None, **settings), engine, tokenizer, metrics)
-    return LiveServer(app), engine
 
 
 @pytest.fixture(scope="module")
