@@ -2,6 +2,7 @@
 ``openai`` client (and raw HTTP where the client cannot send the bad input)."""
 
 import asyncio
+import json
 import time
 
 import httpx2
@@ -196,3 +197,15 @@ def test_batch_buckets():
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 63, 64, 500)] == [
         "1", "2-3", "2-3", "4-7", "4-7", "8-15", "32-63", "64+", "64+"
     ]  # fmt: skip
+
+
+def test_load_sweep_against_the_live_server(server, capsys):
+    from service.loadgen import main as load
+
+    load(["--url", server[0], "--concurrency", "1", "3", "--requests", "3", "--max-tokens", "8"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert [level["concurrency"] for level in summary["levels"]] == [1, 3]
+    for level in summary["levels"]:
+        assert level["requests"] == 3 and level["output_tokens_per_s"] > 0
+        assert level["ttft_p50_s"] > 0 and level["acceptance_length"] >= 1

@@ -1,0 +1,156 @@
+"""``dflash-load``: a load sweep against a running OpenAI-compatible server.
+
+For each concurrency level, ``requests`` streaming chat completions (HumanEval
+prompts) run with at most ``concurrency`` in flight, through the official async
+OpenAI client. Reported per level: output tokens/s, TTFT and inter-chunk
+latency p50/p99, end-to-end latency, and the mean acceptance length the server
+reports (``speculative`` field of the usage chunk; absent on other servers).
+A human table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import openai
+
+from speculative.bench.datasets import humaneval
+
+
+@dataclass
+class RequestResult:
+    """Timings of one streamed request."""
+
+    ttft: float
+    gaps: list[float]
+    e2e: float
+    tokens: int
+    acceptance_length: float | None
+
+
+@dataclass
+class LevelResult:
+    """All requests of one concurrency level."""
+
+    concurrency: int
+    seconds: float
+    results: list[RequestResult] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        gaps = sorted(g for r in self.results for g in r.gaps)
+        ttfts = sorted(r.ttft for r in self.results)
+        taus = [r.acceptance_length for r in self.results if r.acceptance_length]
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(self.results),
+            "output_tokens_per_s": sum(r.tokens for r in self.results) / self.seconds,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(gaps, 50),
+            "itl_p99_s": percentile(gaps, 99),
+            "e2e_mean_s": statistics.fmean(r.e2e for r in self.results),
+            "acceptance_length": statistics.fmean(taus) if taus else None,
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (0.0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[rank]
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, temperature: float):
+    """Stream one chat completion and time it."""
+    start = time.perf_counter()
+    ttft, last, gaps, tokens, tau = None, start, [], 0, None
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = now - start
+            else:
+                gaps.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+            spec = (chunk.model_extra or {}).get("speculative")
+            tau = spec["acceptance_length"] if spec else None
+    end = time.perf_counter()
+    return RequestResult(ttft if ttft is not None else end - start, gaps, end - start, tokens, tau)
+
+
+async def run_level(
+    client: openai.AsyncOpenAI, model: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float
+) -> LevelResult:
+    """Send every prompt with at most ``concurrency`` requests in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(prompt: str) -> RequestResult:
+        async with gate:
+            return await one_request(client, model, prompt, max_tokens, temperature)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(p) for p in prompts))
+    return LevelResult(concurrency, time.perf_counter() - start, list(results))
+
+
+async def sweep(args: argparse.Namespace) -> list[dict]:
+    """Every concurrency level in turn; returns their summaries."""
+    client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0,
+                                timeout=600)  # fmt: skip
+    model = args.model or (await client.models.list()).data[0].id
+    texts = [p.text for p in humaneval()]
+    summaries = []
+    for concurrency in args.concurrency:
+        prompts = [texts[i % len(texts)] for i in range(args.requests or max(4, 2 * concurrency))]
+        level = await run_level(client, model, prompts, concurrency, args.max_tokens, args.temperature)
+        summaries.append(level.summary())
+        print_row(summaries[-1])
+    return summaries
+
+
+def print_row(s: dict) -> None:
+    """One line of the human table."""
+    tau = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
+    print(
+        f"{s['concurrency']:>5} {s['requests']:>5} {s['output_tokens_per_s']:>9.1f} "
+        f"{s['ttft_p50_s'] * 1000:>8.0f} {s['ttft_p99_s'] * 1000:>8.0f} "
+        f"{s['itl_p50_s'] * 1000:>7.1f} {s['itl_p99_s'] * 1000:>7.1f} {s['e2e_mean_s']:>7.2f} {tau:>5}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(prog="dflash-load", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="", help="model id (default: the server's first)")
+    parser.add_argument("--api-key", default="none")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    print(f"{'conc':>5} {'reqs':>5} {'tok/s':>9} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'e2e':>7} "
+          f"{'tau':>5}   (ms, e2e s)")  # fmt: skip
+    summaries = asyncio.run(sweep(args))
+    print(json.dumps({"url": args.url, "max_tokens": args.max_tokens, "levels": summaries}))
+
+
+if __name__ == "__main__":
+    main()
