@@ -25,7 +25,9 @@ from speculative.target import TargetModel
 
 @dataclass(frozen=True)
 class RegenerateConfig:
-    """Settings of one regeneration run."""
+    """Settings of one regeneration run. ``max_prompt_tokens`` (0: no limit but
+    the context) skips longer prompts, e.g. to stay within the target's training
+    sequence length."""
 
     max_new_tokens: int = 256
     batch_size: int = 32
@@ -33,6 +35,7 @@ class RegenerateConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    max_prompt_tokens: int = 0
 
 
 def weights_sha256(model_dir: Path) -> str:
@@ -84,7 +87,12 @@ def regenerate_chat_prompts(
     ]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     # Prompts that cannot fit a full response in the target's context are skipped.
-    fits = [i for i, x in enumerate(encoded) if len(x) + config.max_new_tokens <= target.context_length]
+    longest = config.max_prompt_tokens or target.context_length
+    fits = [
+        i
+        for i, x in enumerate(encoded)
+        if len(x) <= longest and len(x) + config.max_new_tokens <= target.context_length
+    ]
     ids, prompts = [encoded[i] for i in fits], [prompts[i] for i in fits]
     stop = tuple(tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.eos_token, tokenizer.pad_token))
     torch.manual_seed(config.seed)
