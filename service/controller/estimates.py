@@ -1,0 +1,101 @@
+"""What the controller knows: step time per (batch bucket, block size) and
+draft survival per position, as exponentially decayed sums of the deltas of
+cumulative Prometheus counters (so old load stops counting, but nothing is
+forgotten abruptly).
+
+Observation = one scrape of the raw counters (``service.metrics``):
+  step_seconds[(bucket, b)] = (sum of step seconds, step count)   # histogram _sum/_count
+  accepted[k], verified[k]  = drafts accepted / verified at block position k
+Counters only grow; a decrease means the replica restarted, and that scrape is
+taken as the new baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Cell = tuple[str, int]  # (batch bucket label, block size)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One scrape of cumulative counters, taken at ``time`` (seconds)."""
+
+    time: float
+    step_seconds: dict[Cell, tuple[float, float]]
+    accepted: dict[int, float]
+    verified: dict[int, float]
+
+
+@dataclass
+class Decayed:
+    """An exponentially decayed sum and count."""
+
+    total: float = 0.0
+    count: float = 0.0
+    samples: float = 0.0  # undecayed: how much evidence the mean was ever built from
+    last_update: float = float("-inf")
+
+    def add(self, total: float, count: float, now: float, decay: float) -> None:
+        self.total = self.total * decay + total
+        self.count = self.count * decay + count
+        self.samples += count
+        if count > 0:
+            self.last_update = now
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count > 0 else float("nan")
+
+
+@dataclass
+class Estimates:
+    """Decayed step times per cell and acceptance per draft position."""
+
+    step_time: dict[Cell, Decayed] = field(default_factory=dict)
+    survival: dict[int, Decayed] = field(default_factory=dict)
+    baseline: Observation | None = None
+
+    def update(self, obs: Observation, half_life_s: float) -> None:
+        """Fold the counter deltas since the previous observation in."""
+        previous, self.baseline = self.baseline, obs
+        if previous is None or _restarted(previous, obs):
+            return
+        decay = 0.5 ** (max(0.0, obs.time - previous.time) / half_life_s)
+        for cell in set(self.step_time) | set(obs.step_seconds):
+            now_sum, now_count = obs.step_seconds.get(cell, (0.0, 0.0))
+            old_sum, old_count = previous.step_seconds.get(cell, (0.0, 0.0))
+            self.step_time.setdefault(cell, Decayed()).add(now_sum - old_sum, now_count - old_count, obs.time, decay)
+        for k in set(self.survival) | set(obs.verified):
+            verified = obs.verified.get(k, 0.0) - previous.verified.get(k, 0.0)
+            accepted = obs.accepted.get(k, 0.0) - previous.accepted.get(k, 0.0)
+            self.survival.setdefault(k, Decayed()).add(accepted, verified, obs.time, decay)
+
+    def survival_curve(self, max_position: int, min_verified: float) -> list[float]:
+        """S_1..S_max. Positions with at least ``min_verified`` (decayed) verified
+        drafts are measured; later ones continue the last measured ratio
+        S_k / S_(k-1) geometrically (a guess, refined once tried); with nothing
+        measured, 0 (no evidence that drafting pays)."""
+        curve: list[float] = []
+        for k in range(1, max_position + 1):
+            d = self.survival.get(k)
+            if d is not None and d.samples >= min_verified and d.count > 0:
+                curve.append(min(1.0, max(0.0, d.mean)))
+            elif not curve:
+                curve.append(0.0)
+            else:
+                ratio = curve[-1] / curve[-2] if len(curve) >= 2 and curve[-2] > 0 else curve[-1]
+                curve.append(curve[-1] * min(1.0, ratio))
+        return curve
+
+
+def expected_acceptance_length(survival: list[float], block_size: int) -> float:
+    """E[tau(b)] = 1 + sum_{k<b} S_k: the bonus token plus each surviving draft."""
+    return 1.0 + sum(survival[: block_size - 1])
+
+
+def _restarted(previous: Observation, obs: Observation) -> bool:
+    counts = [(obs.step_seconds.get(c, (0, 0))[1], v[1]) for c, v in previous.step_seconds.items()]
+    return any(now < before for now, before in counts) or any(
+        obs.verified.get(k, 0.0) < v for k, v in previous.verified.items()
+    )
