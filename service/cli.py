@@ -8,10 +8,14 @@ import logging
 import sys
 
 import uvicorn
+from prometheus_client import generate_latest
 from transformers import AutoTokenizer
 
 from service.api.app import build_app
 from service.config import ServeSettings
+from service.controller.decide import ControllerSettings
+from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.source import observation_from_text
 from service.engine import BlockPolicy, NativeEngine, NativeEngineConfig
 from service.metrics import Metrics
 from speculative.checkpoint import load_draft
@@ -29,13 +33,29 @@ def build_engine(settings: ServeSettings, metrics: Metrics) -> tuple[NativeEngin
     return NativeEngine(target, draft, tokenizer, config, on_step=metrics.observe_step), tokenizer
 
 
+def in_process_controller(engine: NativeEngine, metrics: Metrics, settings: ServeSettings) -> ControllerLoop | None:
+    """The controller reading this replica's own counters and setting its engine's
+    policy directly (none without a draft: there is nothing to adapt)."""
+    if engine.max_block_size == 1:
+        return None
+    return ControllerLoop(
+        observe=lambda now: observation_from_text([generate_latest(metrics.registry).decode()], now),
+        push=engine.set_policy,
+        settings=ControllerSettings(max_block_size=engine.max_block_size),
+        initial_block_size=engine.policy.block_size(1),
+        metrics=ControllerMetrics(metrics.registry),
+        interval_s=settings.controller_interval_s,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: every ``ServeSettings`` field is a flag."""
     settings = ServeSettings(_cli_parse_args=sys.argv[1:] if argv is None else argv, _cli_kebab_case=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     engine, tokenizer = build_engine(settings, metrics)
-    app = build_app(settings, engine, tokenizer, metrics)
+    controller = in_process_controller(engine, metrics, settings) if settings.controller else None
+    app = build_app(settings, engine, tokenizer, metrics, controller)
     uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=int(settings.drain_timeout_s))
 
 

@@ -28,6 +28,9 @@ class ServeSettings(BaseSettings):
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")
     drain_timeout_s: float = Field(default=60.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
+    admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")
+    controller: bool = Field(default=True, description="adapt the block size to load in-process")
+    controller_interval_s: float = Field(default=10.0, gt=0, description="seconds between controller decisions")
 
     @property
     def model_name(self) -> str:

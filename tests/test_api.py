@@ -209,3 +209,39 @@ def test_load_sweep_against_the_live_server(server, capsys):
     for level in summary["levels"]:
         assert level["requests"] == 3 and level["output_tokens_per_s"] > 0
         assert level["ttft_p50_s"] > 0 and level["acceptance_length"] >= 1
+
+
+def test_admin_policy_endpoint(model):
+    closed, _ = make_server(model)
+    with closed as url:
+        assert httpx2.get(url + "/admin/policy").status_code == 403
+    live, engine = make_server(model, admin_key="root")
+    with live as url:
+        assert httpx2.get(url + "/admin/policy", headers={"authorization": "Bearer nope"}).status_code == 401
+        auth = {"authorization": "Bearer root"}
+        assert httpx2.get(url + "/admin/policy", headers=auth).json() == {"min_batch": [1], "block_sizes": [4]}
+        new = {"min_batch": [1, 4], "block_sizes": [4, 1]}
+        assert httpx2.post(url + "/admin/policy", json=new, headers=auth).json() == new
+        assert engine.policy.block_size(5) == 1 and engine.policy.block_size(2) == 4
+        too_big = httpx2.post(url + "/admin/policy", json={"min_batch": [1], "block_sizes": [9]}, headers=auth)
+        assert too_big.status_code == 400 and engine.policy.block_size(1) == 4
+        unsorted = httpx2.post(url + "/admin/policy", json={"min_batch": [2], "block_sizes": [2]}, headers=auth)
+        assert unsorted.status_code == 400
+
+
+def test_in_process_controller_runs_and_exports_its_decisions(model):
+    from service.cli import in_process_controller
+    from service.config import ServeSettings
+
+    root = model[0]
+    live, engine = make_server(model)
+    metrics = live.server.config.app.state.metrics
+    loop = in_process_controller(engine, metrics, ServeSettings(target=root / "target", draft=None))
+    with live as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for _ in range(3):
+            client.completions.create(model="target", prompt="x", max_tokens=40, temperature=0)
+            loop.tick()
+        text = httpx2.get(url + "/metrics").text
+    assert "dflash_controller_decisions_total 3.0" in text
+    assert 'dflash_controller_block_size{bucket="1"}' in text

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from service.controller import (
     BUCKETS,
@@ -15,6 +16,8 @@ from service.controller import (
     decide,
     expected_acceptance_length,
 )
+from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.source import SourceError, observation_from_text
 from service.metrics import batch_bucket
 
 ALPHA = 0.8  # true per-position survival ratio: S_k = ALPHA ** k
@@ -139,3 +142,73 @@ def test_settings_are_validated():
         ControllerSettings(candidates=(2, 4))
     with pytest.raises(ValueError):
         ControllerSettings(half_life_s=0)
+
+
+# ------------------------------------------------------------------ the loop
+
+
+class FlakySource:
+    """Observations from the simulated engine, failing on demand."""
+
+    def __init__(self, engine: SimulatedEngine, table: dict) -> None:
+        self.engine, self.table, self.fail = engine, table, False
+
+    def __call__(self, now: float) -> Observation:
+        if self.fail:
+            raise SourceError("prometheus is down")
+        return self.engine.tick(self.table)
+
+
+def test_loop_keeps_the_last_policy_through_failures_and_recovers():
+    registry = CollectorRegistry()
+    engine = SimulatedEngine(batches=(32,))
+    pushed = []
+    source = FlakySource(engine, dict.fromkeys(BUCKETS, 16))
+    loop = ControllerLoop(source, pushed.append, ControllerSettings(), 16, ControllerMetrics(registry),
+                          clock=lambda: engine.now)  # fmt: skip
+    for _ in range(30):
+        loop.tick()
+        source.table = dict(loop.state.table)
+    assert pushed and pushed[-1].block_size(32) <= 2
+    before = len(pushed)
+    source.fail = True
+    assert loop.tick() is None and len(pushed) == before
+    assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 1
+    source.fail = False
+    assert loop.tick() is not None
+    assert registry.get_sample_value("dflash_controller_block_size", {"bucket": "32-63"}) <= 2
+
+
+def test_loop_retries_a_failed_push():
+    registry = CollectorRegistry()
+    engine = SimulatedEngine(batches=(1,))
+    attempts = []
+
+    def push(policy):
+        attempts.append(policy)
+        if len(attempts) == 1:
+            raise ConnectionError("replica unreachable")
+
+    loop = ControllerLoop(lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)), push, ControllerSettings(), 16,
+                          ControllerMetrics(registry), clock=lambda: engine.now)  # fmt: skip
+    loop.tick()
+    loop.tick()
+    assert len(attempts) == 2 and loop.pushed == attempts[1]
+    assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "push"}) == 1
+
+
+def test_observation_from_exposition_text_and_garbage():
+    text = """# TYPE dflash_step_seconds histogram
+dflash_step_seconds_sum{block_size="8",batch_bucket="1"} 2.5
+dflash_step_seconds_count{block_size="8",batch_bucket="1"} 100
+# TYPE dflash_accepted_tokens_per_position counter
+dflash_accepted_tokens_per_position_total{position="1"} 80
+# TYPE dflash_verified_tokens_per_position counter
+dflash_verified_tokens_per_position_total{position="1"} 100
+"""
+    obs = observation_from_text([text, text], now=5.0)
+    assert obs.step_seconds == {("1", 8): (5.0, 200.0)} and obs.accepted == {1: 160.0} and obs.verified == {1: 200.0}
+    with pytest.raises(SourceError):
+        observation_from_text(["dflash_step_seconds_count{block_size=8 oops"], now=1.0)
+    with pytest.raises(SourceError):
+        observation_from_text(['dflash_verified_tokens_per_position_total{position="1"} NaN'], now=1.0)

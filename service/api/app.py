@@ -19,25 +19,36 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.errors import APIError, error_response, from_engine_error, install_handlers
-from service.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
 from service.config import ServeSettings
-from service.engine import Delta, EngineError, GenerateRequest, NativeEngine
+from service.controller.loop import ControllerLoop
+from service.engine import BlockPolicy, Delta, EngineError, GenerateRequest, NativeEngine
 from service.metrics import Metrics
 from speculative.sampling import SamplingParams
 
 
-def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer, metrics: Metrics | None = None) -> FastAPI:
-    """The service's app; ``engine`` is started and drained by its lifespan.
-    ``metrics`` should be the object the engine reports its steps to."""
+def build_app(
+    settings: ServeSettings,
+    engine: NativeEngine,
+    tokenizer,
+    metrics: Metrics | None = None,
+    controller: ControllerLoop | None = None,
+) -> FastAPI:
+    """The service's app; ``engine`` (and ``controller``) start and stop with its
+    lifespan. ``metrics`` should be the object the engine reports its steps to."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if controller is not None:
+            controller.start()
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            if controller is not None:
+                await asyncio.to_thread(controller.stop)
             await asyncio.to_thread(engine.stop, True, settings.drain_timeout_s)
 
     app = FastAPI(title="dflash-serve", lifespan=lifespan)
@@ -61,6 +72,21 @@ def build_app(settings: ServeSettings, engine: NativeEngine, tokenizer, metrics:
     async def metrics_text() -> Response:
         stats = engine.stats()
         return Response(app.state.metrics.render(stats.running, stats.waiting), media_type=CONTENT_TYPE_LATEST)
+
+    admin = Depends(_check_admin_key)
+
+    @app.get("/admin/policy", dependencies=[admin])
+    async def get_policy() -> dict:
+        policy = engine.policy
+        return {"min_batch": list(policy.min_batch), "block_sizes": list(policy.block_sizes)}
+
+    @app.post("/admin/policy", dependencies=[admin])
+    async def set_policy(body: PolicyBody) -> dict:
+        try:
+            engine.set_policy(BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes)))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="block_sizes") from exc
+        return await get_policy()
 
     @app.get("/v1/models", dependencies=[authorized])
     async def models() -> dict:
@@ -233,6 +259,14 @@ def _spec(delta: Delta) -> dict:
 def _check_model(name: str, settings: ServeSettings) -> None:
     if name != settings.model_name:
         raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+
+
+def _check_admin_key(request: Request) -> None:
+    key = request.app.state.settings.admin_key
+    if not key:
+        raise APIError(403, "the admin API is disabled (set --admin-key)", type="permission_error")
+    if request.headers.get("authorization") != f"Bearer {key}":
+        raise APIError(401, "Incorrect admin key provided", code="invalid_api_key")
 
 
 def _check_api_key(request: Request) -> None:

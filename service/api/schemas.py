@@ -112,3 +112,11 @@ class CompletionRequest(SamplingFields):
         if self.echo or self.logprobs is not None or self.suffix is not None:
             raise ValueError("echo, logprobs and suffix are not supported")
         return self
+
+
+class PolicyBody(BaseModel):
+    """``POST /admin/policy``: block size per batch-size range (b = 1: plain decoding)."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_batch: list[int] = Field(min_length=1)
+    block_sizes: list[int] = Field(min_length=1)

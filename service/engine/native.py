@@ -115,6 +115,12 @@ class NativeEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def policy(self) -> BlockPolicy:
+        """The block-size policy in force."""
+        with self._lock:
+            return self._policy
+
     def set_policy(self, policy: BlockPolicy) -> None:
         """Use ``policy`` from the next step on."""
         self._check_policy(policy)

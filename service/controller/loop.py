@@ -1,0 +1,96 @@
+"""The thin loop around ``decide``: observe -> decide -> push, every
+``interval_s``. A failed observation or push changes nothing (the replicas keep
+the last good policy), is counted, and the next tick tries again."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from service.controller.decide import BUCKETS, ControllerSettings, ControllerState, Decision, decide
+from service.controller.estimates import Observation
+from service.controller.source import SourceError
+from service.engine.types import BlockPolicy
+
+log = logging.getLogger(__name__)
+
+
+class ControllerMetrics:
+    """The controller's own decisions and estimates, for the dashboards."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.block_size = Gauge("dflash_controller_block_size", "Chosen block size", ["bucket"], registry=registry)
+        self.goodput = Gauge(
+            "dflash_controller_goodput",
+            "Estimated committed tokens per row-second",
+            ["bucket", "block_size"],
+            registry=registry,
+        )
+        self.decisions = Counter("dflash_controller_decisions", "Decisions taken", registry=registry)
+        self.errors = Counter("dflash_controller_errors", "Failed observations or pushes", ["stage"], registry=registry)
+
+    def export(self, decision: Decision) -> None:
+        self.decisions.inc()
+        for bucket in BUCKETS:
+            self.block_size.labels(bucket).set(decision.table[bucket])
+        for bucket, per_b in decision.goodput.items():
+            for b, value in per_b.items():
+                self.goodput.labels(bucket, str(b)).set(value)
+
+
+class ControllerLoop:
+    """Runs ``decide`` on a thread (or by ``tick`` in tests)."""
+
+    def __init__(
+        self,
+        observe: Callable[[float], Observation],
+        push: Callable[[BlockPolicy], None],
+        settings: ControllerSettings,
+        initial_block_size: int,
+        metrics: ControllerMetrics,
+        *,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.observe, self.push, self.settings, self.metrics = observe, push, settings, metrics
+        self.state = ControllerState.initial(min(initial_block_size, settings.max_block_size))
+        self.interval_s, self.clock = interval_s, clock
+        self.pushed: BlockPolicy | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-controller", daemon=True)
+
+    def tick(self) -> Decision | None:
+        """One observe -> decide -> push; None when the observation failed."""
+        try:
+            observation = self.observe(self.clock())
+        except SourceError as exc:
+            self.metrics.errors.labels("observe").inc()
+            log.warning("controller keeps the last policy: %s", exc)
+            return None
+        decision, self.state = decide(observation, self.state, self.settings)
+        self.metrics.export(decision)
+        if decision.policy != self.pushed:
+            try:
+                self.push(decision.policy)
+                self.pushed = decision.policy
+                log.info("block-size policy %s (%s)", decision.table, decision.reasons)
+            except Exception as exc:
+                self.metrics.errors.labels("push").inc()
+                log.warning("policy push failed, will retry: %s", exc)
+        return decision
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.interval_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.tick()

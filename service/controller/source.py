@@ -1,0 +1,95 @@
+"""Where observations come from: Prometheus exposition text (a replica's own
+``/metrics``, summed over replicas) or a Prometheus server's HTTP API (PromQL
+instant queries summed over every scraped replica)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import httpx2
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.controller.estimates import Observation
+
+STEP_SUM = "dflash_step_seconds_sum"
+STEP_COUNT = "dflash_step_seconds_count"
+ACCEPTED = "dflash_accepted_tokens_per_position_total"
+VERIFIED = "dflash_verified_tokens_per_position_total"
+
+
+class SourceError(RuntimeError):
+    """An observation could not be read or made sense of."""
+
+
+def observation_from_text(texts: Iterable[str], now: float) -> Observation:
+    """Sum the counters of several replicas' exposition texts."""
+    steps: dict[tuple[str, int], list[float]] = {}
+    accepted: dict[int, float] = {}
+    verified: dict[int, float] = {}
+    try:
+        for text in texts:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    _fold(sample.name, sample.labels, sample.value, steps, accepted, verified)
+    except (ValueError, KeyError) as exc:
+        raise SourceError(f"unreadable metrics: {exc}") from exc
+    return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
+
+
+def scrape_replicas(urls: Iterable[str], now: float, timeout: float = 5.0) -> Observation:
+    """GET ``/metrics`` of every replica and sum them."""
+    texts = []
+    for url in urls:
+        try:
+            response = httpx2.get(url.rstrip("/") + "/metrics", timeout=timeout)
+            response.raise_for_status()
+        except httpx2.HTTPError as exc:
+            raise SourceError(f"cannot scrape {url}: {exc}") from exc
+        texts.append(response.text)
+    return observation_from_text(texts, now)
+
+
+def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observation:
+    """The same counters through PromQL, summed over replicas."""
+    queries = {
+        STEP_SUM: f"sum by (block_size, batch_bucket) ({STEP_SUM})",
+        STEP_COUNT: f"sum by (block_size, batch_bucket) ({STEP_COUNT})",
+        ACCEPTED: f"sum by (position) ({ACCEPTED})",
+        VERIFIED: f"sum by (position) ({VERIFIED})",
+    }
+    steps: dict[tuple[str, int], list[float]] = {}
+    accepted: dict[int, float] = {}
+    verified: dict[int, float] = {}
+    for name, query in queries.items():
+        try:
+            response = httpx2.get(base_url.rstrip("/") + "/api/v1/query", params={"query": query}, timeout=timeout)
+            response.raise_for_status()
+            payload = response.json()
+            if payload.get("status") != "success":
+                raise SourceError(f"prometheus answered {payload.get('status')!r}: {payload.get('error')}")
+            for series in payload["data"]["result"]:
+                _fold(name, series["metric"], float(series["value"][1]), steps, accepted, verified)
+        except (httpx2.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise SourceError(f"prometheus query failed: {exc}") from exc
+    return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
+
+
+def _fold(
+    name: str,
+    labels: dict[str, str],
+    value: float,
+    steps: dict[tuple[str, int], list[float]],
+    accepted: dict[int, float],
+    verified: dict[int, float],
+) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise SourceError(f"{name}{labels} = {value} is not a counter value")
+    if name in (STEP_SUM, STEP_COUNT):
+        cell = (labels["batch_bucket"], int(labels["block_size"]))
+        pair = steps.setdefault(cell, [0.0, 0.0])
+        pair[0 if name == STEP_SUM else 1] += value
+    elif name == ACCEPTED:
+        accepted[int(labels["position"])] = accepted.get(int(labels["position"]), 0.0) + value
+    elif name == VERIFIED:
+        verified[int(labels["position"])] = verified.get(int(labels["position"]), 0.0) + value
