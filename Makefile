@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install system-deps clean
 
 install: $(STAMP)
 
@@ -26,7 +26,12 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: lint
+# A real Prometheus server for the controller test (Debian's package; skipped where it cannot be installed).
+system-deps:
+	@command -v prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || echo "prometheus not installed"
+
+test: lint system-deps
 	$(PY) -m pytest
 
 clean:
