@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 
@@ -109,6 +110,36 @@ async def run_level(
     return LevelResult(concurrency, time.perf_counter() - start, list(results))
 
 
+async def direct_level(engine, tokenizer, prompts: list[str], max_tokens: int, temperature: float) -> LevelResult:
+    """The same requests through ``engine.generate`` in-process, one at a time:
+    the baseline that shows what HTTP + SSE add at concurrency 1."""
+    from service.engine import GenerateRequest
+    from speculative.sampling import SamplingParams
+
+    level = LevelResult(concurrency=1, seconds=0.0)
+    stop = tuple(i for i in {tokenizer.eos_token_id, tokenizer.pad_token_id} if i is not None)
+    for i, prompt in enumerate(prompts):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        request = GenerateRequest(f"direct-{i}", ids, max_tokens, SamplingParams(temperature), stop)
+        start = time.perf_counter()
+        ttft, last, gaps, tokens, tau = None, start, [], 0, None
+        async for delta in engine.generate(request):
+            now = time.perf_counter()
+            if delta.text:
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    gaps.append(now - last)
+                last = now
+            tokens, tau = delta.completion_tokens, delta.spec.acceptance_length or None
+        end = time.perf_counter()
+        level.results.append(RequestResult(ttft if ttft is not None else end - start, gaps, end - start, tokens, tau))
+        level.seconds += end - start
+    return level
+
+
 async def sweep(args: argparse.Namespace) -> list[dict]:
     """Every concurrency level in turn; returns their summaries."""
     client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0,
@@ -116,10 +147,28 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
     model = args.model or (await client.models.list()).data[0].id
     texts = [p.text for p in humaneval()]
     summaries = []
+    if args.direct_target:
+        from transformers import AutoTokenizer
+
+        from service.engine import NativeEngine
+        from speculative.checkpoint import load_draft
+        from speculative.target import TargetModel
+
+        tokenizer = AutoTokenizer.from_pretrained(str(args.direct_target), local_files_only=True)
+        draft = load_draft(args.direct_draft) if args.direct_draft else None
+        engine = NativeEngine(TargetModel.from_pretrained(args.direct_target), draft, tokenizer)
+        engine.start()
+        try:
+            prompts = texts[: args.requests or 4]
+            level = await direct_level(engine, tokenizer, prompts, args.max_tokens, args.temperature)
+        finally:
+            engine.stop()
+        summaries.append({**level.summary(), "mode": "direct engine"})
+        print_row(summaries[-1])
     for concurrency in args.concurrency:
         prompts = [texts[i % len(texts)] for i in range(args.requests or max(4, 2 * concurrency))]
         level = await run_level(client, model, prompts, concurrency, args.max_tokens, args.temperature)
-        summaries.append(level.summary())
+        summaries.append({**level.summary(), "mode": "http"})
         print_row(summaries[-1])
     return summaries
 
@@ -128,7 +177,7 @@ def print_row(s: dict) -> None:
     """One line of the human table."""
     tau = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
     print(
-        f"{s['concurrency']:>5} {s['requests']:>5} {s['output_tokens_per_s']:>9.1f} "
+        f"{s['mode']:<13} {s['concurrency']:>5} {s['requests']:>5} {s['output_tokens_per_s']:>9.1f} "
         f"{s['ttft_p50_s'] * 1000:>8.0f} {s['ttft_p99_s'] * 1000:>8.0f} "
         f"{s['itl_p50_s'] * 1000:>7.1f} {s['itl_p99_s'] * 1000:>7.1f} {s['e2e_mean_s']:>7.2f} {tau:>5}",
         flush=True,
@@ -145,9 +194,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--direct-target", type=Path, help="also run the engine in-process (no HTTP) on this target")
+    parser.add_argument("--direct-draft", type=Path, help="draft for --direct-target")
     args = parser.parse_args(argv)
-    print(f"{'conc':>5} {'reqs':>5} {'tok/s':>9} {'ttft50':>8} {'ttft99':>8} {'itl50':>7} {'itl99':>7} {'e2e':>7} "
-          f"{'tau':>5}   (ms, e2e s)")  # fmt: skip
+    columns = ("conc", 5), ("reqs", 5), ("tok/s", 9), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7)
+    header = " ".join(f"{name:>{width}}" for name, width in columns)
+    print(f"{'mode':<13} {header} {'e2e':>7} {'tau':>5}   (ms; e2e in s)")
     summaries = asyncio.run(sweep(args))
     print(json.dumps({"url": args.url, "max_tokens": args.max_tokens, "levels": summaries}))
 

@@ -199,6 +199,18 @@ def test_batch_buckets():
     ]  # fmt: skip
 
 
+def test_load_sweep_direct_engine_baseline(model, server, tmp_path, capsys):
+    from service.loadgen import main as load
+    from speculative.checkpoint import save_draft
+
+    save_draft(model[2], tmp_path / "draft")
+    load(["--url", server[0], "--concurrency", "1", "--requests", "2", "--max-tokens", "6",
+          "--direct-target", str(model[0] / "target"), "--direct-draft", str(tmp_path / "draft")])  # fmt: skip
+    levels = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["levels"]
+    assert [level["mode"] for level in levels] == ["direct engine", "http"]
+    assert all(level["output_tokens_per_s"] > 0 for level in levels)
+
+
 def test_load_sweep_against_the_live_server(server, capsys):
     from service.loadgen import main as load
 
@@ -206,6 +218,7 @@ def test_load_sweep_against_the_live_server(server, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert [level["concurrency"] for level in summary["levels"]] == [1, 3]
+    assert {level["mode"] for level in summary["levels"]} == {"http"}
     for level in summary["levels"]:
         assert level["requests"] == 3 and level["output_tokens_per_s"] > 0
         assert level["ttft_p50_s"] > 0 and level["acceptance_length"] >= 1
