@@ -113,7 +113,7 @@ class DecodeSession:
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
         if draft is not None:
             check_pair(target, draft)
-            target.capture_layers(draft.config.target_layer_ids)
+        self.feature_layers = draft.config.target_layer_ids if draft is not None else ()
         self.target, self.draft = target, draft
         self.proposal, self.compact_slack = proposal, compact_slack
         self.batch: RaggedBatch | None = None
@@ -184,8 +184,9 @@ class DecodeSession:
         drafts, draft_probs = self._propose(positions)
         t1 = _clock(device)
         block = torch.cat([self.rows.anchors[:, None], drafts], dim=1)
-        capture = self.draft is not None
-        verified = self.target.forward(block, positions, batch.target_cache, batch.slot_positions, capture=capture)
+        verified = self.target.forward(
+            block, positions, batch.target_cache, batch.slot_positions, feature_layers=self.feature_layers
+        )
         verdict = self._accept(drafts, draft_probs, verified.logits)
         self._commit(verdict, positions, verified.features)
         t2 = _clock(device)
@@ -216,7 +217,7 @@ class DecodeSession:
             draft_cache=self.target.new_cache() if self.draft is not None else None,
         )
         out = self.target.forward(
-            ids, positions, batch.target_cache, batch.slot_positions, capture=self.draft is not None
+            ids, positions, batch.target_cache, batch.slot_positions, feature_layers=self.feature_layers
         )
         if self.draft is not None:
             append_draft_context(batch.draft_cache, self.draft.context_kv(out.features, positions))

@@ -10,6 +10,7 @@ decoder layers, so they are never the final, post-norm state.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +36,9 @@ class TargetModel:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
         self.config = model.config.get_text_config()
-        self._layer_ids: tuple[int, ...] = ()
-        self._captured: dict[int, torch.Tensor] = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooked: set[int] = set()
+        self._hook_lock = threading.Lock()
+        self._local = threading.local()  # captures are per thread: engines may share one target
         self._layer_types = tuple(getattr(self.config, "layer_types", None) or ())
         self._sliding_window = getattr(self.config, "sliding_window", None)
 
@@ -97,21 +98,21 @@ class TargetModel:
         """The target's (frozen, shared) output projection."""
         return self.model.get_output_embeddings()(hidden)
 
-    def capture_layers(self, layer_ids: tuple[int, ...]) -> None:
-        """Capture the outputs of these decoder layers on every forward."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+    def _ensure_hooks(self, layer_ids: tuple[int, ...]) -> None:
+        """Hook the output of every decoder layer in ``layer_ids`` (once)."""
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"layer ids {bad} outside the target's {self.num_layers} layers")
-        self._layer_ids = tuple(layer_ids)
-        for layer_id in sorted(set(layer_ids)):
-            self._hooks.append(self.decoder_layers[layer_id].register_forward_hook(self._capture_hook(layer_id)))
+        with self._hook_lock:
+            for layer_id in set(layer_ids) - self._hooked:
+                self.decoder_layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+                self._hooked.add(layer_id)
 
     def _capture_hook(self, layer_id: int):
         def hook(_module: nn.Module, _inputs: object, output: torch.Tensor | tuple) -> None:
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            captured = getattr(self._local, "captured", None)
+            if captured is not None:
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
 
         return hook
 
@@ -127,28 +128,31 @@ class TargetModel:
         cache: DynamicCache,
         cache_positions: torch.Tensor,
         *,
-        capture: bool = True,
+        feature_layers: tuple[int, ...] = (),
     ) -> TargetOutput:
         """Append ``input_ids`` [B, q] at ``positions`` [B, q] (-1 = padding) to
         ``cache``, whose slots hold the tokens at ``cache_positions`` [B, T]
         (-1 = ignore). Causal within the new tokens; rejected or padded slots are
-        hidden by the mask."""
+        hidden by the mask. ``feature_layers``: decoder layers whose outputs to
+        return, concatenated in that order, as ``features``."""
+        self._ensure_hooks(feature_layers)
         key_positions = torch.cat([cache_positions, positions], dim=1)
         allowed = attention_allowed(positions, key_positions, causal=True)
         mask: torch.Tensor | dict[str, torch.Tensor] = additive_mask(allowed, self.dtype)
         if "sliding_attention" in self._layer_types:
             sliding = attention_allowed(positions, key_positions, causal=True, window=self._sliding_window)
             mask = {"full_attention": mask, "sliding_attention": additive_mask(sliding, self.dtype)}
-        self._captured.clear()
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions.clamp(min=0),
-            cache=cache,
-            use_cache=True,
-        )
-        features = None
-        if capture and self._layer_ids:
-            features = torch.cat([self._captured[i] for i in self._layer_ids], dim=-1)
-        self._captured.clear()
+        self._local.captured = {} if feature_layers else None
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions.clamp(min=0),
+                cache=cache,
+                use_cache=True,
+            )
+            captured = self._local.captured
+        finally:
+            self._local.captured = None
+        features = torch.cat([captured[i] for i in feature_layers], dim=-1) if feature_layers else None
         return TargetOutput(logits=out.logits, features=features)

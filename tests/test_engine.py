@@ -184,3 +184,23 @@ def test_requests_beyond_the_context_are_invalid(pair):
         asyncio.run(collect(engine, GenerateRequest("x", (5,) * 2000, 100)))
     with pytest.raises(InvalidRequestError, match="empty"):
         asyncio.run(collect(engine, GenerateRequest("y", (), 10)))
+
+
+def test_two_engines_may_share_one_target(pair):
+    """Feature captures are per thread, so engines on one target do not mix rows."""
+    target, draft, tokenizer = pair
+    engines = [NativeEngine(target, draft, tokenizer), NativeEngine(target, None, tokenizer)]
+    requests = [GenerateRequest(f"s{i}", p, 30) for i, p in enumerate(prompts(6))]
+
+    async def main():
+        return await asyncio.gather(*(collect(engines[i % 2], r) for i, r in enumerate(requests)))
+
+    for engine in engines:
+        engine.start()
+    try:
+        results = asyncio.run(main())
+    finally:
+        for engine in engines:
+            engine.stop()
+    for request, (_, ids, _) in zip(requests, results, strict=True):
+        assert ids == greedy(target, request.prompt_ids, 30)

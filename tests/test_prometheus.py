@@ -56,7 +56,7 @@ def test_controller_reads_prometheus_and_pushes_to_every_replica(model, tmp_path
         prom = f"http://127.0.0.1:{port}"
         try:
             wait_until(lambda: _ok(prom + "/-/ready"))
-            for url in (url_a, url_b):  # one replica at a time: the replicas share one target model
+            for url in (url_a, url_b):
                 client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
                 client.completions.create(model="target", prompt="x", max_tokens=30, temperature=0)
             direct = scrape_replicas([url_a, url_b], now=0.0)

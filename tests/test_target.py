@@ -1,6 +1,7 @@
 import pytest
 import torch
 from builders import random_prompts, tiny_target
+from transformers import DynamicCache
 
 from speculative.batch import RaggedBatch
 
@@ -14,8 +15,8 @@ def test_captured_layer_l_is_hidden_states_l_plus_1(family):
     with torch.no_grad():
         reference = target.model(ids, output_hidden_states=True).hidden_states
         for layer_id in range(target.num_layers - 1):
-            target.capture_layers((layer_id,))
-            features = target.forward(ids, positions, target.new_cache(), positions[:, :0]).features
+            out = target.forward(ids, positions, target.new_cache(), positions[:, :0], feature_layers=(layer_id,))
+            features = out.features
             torch.testing.assert_close(features, reference[layer_id + 1], rtol=1e-5, atol=1e-5)
             assert not torch.allclose(features, reference[layer_id], atol=1e-3), "off by one"
 
@@ -26,14 +27,14 @@ def test_features_concatenate_in_target_layer_id_order():
     positions = torch.arange(4)[None]
     with torch.no_grad():
         reference = target.model(ids, output_hidden_states=True).hidden_states
-        target.capture_layers((2, 0))
-        features = target.forward(ids, positions, target.new_cache(), positions[:, :0]).features
+        features = target.forward(ids, positions, target.new_cache(), positions[:, :0], feature_layers=(2, 0)).features
     torch.testing.assert_close(features, torch.cat([reference[3], reference[1]], dim=-1), rtol=1e-5, atol=1e-5)
 
 
 def test_capture_rejects_out_of_range_layers():
+    ids = torch.tensor([[1, 2]])
     with pytest.raises(ValueError, match="outside"):
-        tiny_target().capture_layers((0, 4))
+        tiny_target().forward(ids, torch.arange(2)[None], DynamicCache(), ids[:, :0], feature_layers=(0, 4))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

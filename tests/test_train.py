@@ -49,14 +49,16 @@ def test_packed_blocks_equal_separate_blocks():
     torch.manual_seed(0)
     target = tiny_target()
     draft = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(block_size=4)))
-    target.capture_layers(draft.config.target_layer_ids)
     tokens = torch.randint(0, 90, (2, 14))
     lengths = torch.tensor([14, 11])
     anchors = torch.tensor([[3, 7, 12], [2, 5, 9]])
     valid = torch.tensor([[True, True, True], [True, True, False]])
     positions = torch.arange(14).expand(2, -1)
     with torch.no_grad():
-        features = target.forward(tokens, positions, target.new_cache(), positions[:, :0]).features
+        layers = draft.config.target_layer_ids
+        features = target.forward(
+            tokens, positions, target.new_cache(), positions[:, :0], feature_layers=layers
+        ).features
         packed = dflash_loss(draft, target, tokens, features, lengths, anchors, valid, gamma=2.0)
         weights = position_weights(4, 2.0)
         total, norm = 0.0, 0.0

@@ -110,7 +110,6 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(draft_config_for(target, tokenizer.convert_tokens_to_ids(MASK), cfg)).train()
-    target.capture_layers(draft.config.target_layer_ids)
     records = load_records(cfg.data, cfg.max_length)
     steps = max(1, math.ceil(cfg.epochs * len(records) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
@@ -135,7 +134,9 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         anchors, valid = sample_anchors(lengths, starts, cfg.anchors_per_sequence, generator)
         with torch.no_grad():
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-            features = target.forward(tokens, positions, target.new_cache(), positions[:, :0]).features
+            features = target.forward(
+                tokens, positions, target.new_cache(), positions[:, :0], feature_layers=draft.config.target_layer_ids
+            ).features
         out = dflash_loss(draft, target, tokens, features, lengths, anchors, valid, gamma)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
