@@ -16,7 +16,7 @@ from service.config import ServeSettings
 from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.source import observation_from_text
-from service.engine import BlockPolicy, NativeEngine, NativeEngineConfig
+from service.engine import BlockPolicy, NativeEngine, NativeEngineConfig, engine_class
 from service.metrics import Metrics
 from speculative.checkpoint import load_draft
 from speculative.target import TargetModel
@@ -30,7 +30,8 @@ def build_engine(settings: ServeSettings, metrics: Metrics) -> tuple[NativeEngin
     draft = load_draft(settings.draft, device=settings.device) if settings.draft else None
     policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
     config = NativeEngineConfig(max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting, policy=policy)
-    return NativeEngine(target, draft, tokenizer, config, on_step=metrics.observe_step), tokenizer
+    engine = engine_class(settings.engine)(target, draft, tokenizer, config, on_step=metrics.observe_step)
+    return engine, tokenizer
 
 
 def in_process_controller(engine: NativeEngine, metrics: Metrics, settings: ServeSettings) -> ControllerLoop | None:

@@ -23,6 +23,7 @@ class ServeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>' when set")
+    engine: str = Field(default="native", description="engine backend (service.engine.ENGINES)")
     device: str = "cpu"
     max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")

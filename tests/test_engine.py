@@ -204,3 +204,11 @@ def test_two_engines_may_share_one_target(pair):
             engine.stop()
     for request, (_, ids, _) in zip(requests, results, strict=True):
         assert ids == greedy(target, request.prompt_ids, 30)
+
+
+def test_engine_registry():
+    from service.engine import engine_class
+
+    assert engine_class("native") is NativeEngine
+    with pytest.raises(ValueError, match="unknown engine"):
+        engine_class("tgi")

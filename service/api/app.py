@@ -22,14 +22,14 @@ from service.api.errors import APIError, error_response, from_engine_error, inst
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
 from service.config import ServeSettings
 from service.controller.loop import ControllerLoop
-from service.engine import BlockPolicy, Delta, EngineError, GenerateRequest, NativeEngine
+from service.engine import BlockPolicy, Delta, Engine, EngineError, GenerateRequest
 from service.metrics import Metrics
 from speculative.sampling import SamplingParams
 
 
 def build_app(
     settings: ServeSettings,
-    engine: NativeEngine,
+    engine: Engine,
     tokenizer,
     metrics: Metrics | None = None,
     controller: ControllerLoop | None = None,
@@ -117,8 +117,8 @@ def build_app(
 async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
                  kind: str, prefix: str):  # fmt: skip
     app = request.app
-    engine: NativeEngine = app.state.engine
-    limit = engine.target.context_length - len(prompt_ids) - engine.max_block_size
+    engine: Engine = app.state.engine
+    limit = engine.context_length - len(prompt_ids) - engine.max_block_size
     generate = GenerateRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=tuple(prompt_ids),

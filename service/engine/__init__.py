@@ -1,9 +1,13 @@
-"""Engines behind the API: the embedded native DFlash engine (CPU/GPU)."""
+"""Engines behind the API. ``ENGINES`` maps a name to its class, imported only
+when chosen (the SGLang engine pulls in CUDA-only packages)."""
+
+import importlib
 
 from service.engine.native import NativeEngine, NativeEngineConfig
 from service.engine.types import (
     BlockPolicy,
     Delta,
+    Engine,
     EngineError,
     EngineStats,
     EngineStoppedError,
@@ -13,9 +17,22 @@ from service.engine.types import (
     SpecStats,
 )
 
+ENGINES = {"native": "service.engine.native:NativeEngine"}
+
+
+def engine_class(name: str) -> type:
+    """The engine class registered as ``name``."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; known: {sorted(ENGINES)}")
+    module, _, attr = ENGINES[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 __all__ = [
+    "ENGINES",
     "BlockPolicy",
     "Delta",
+    "Engine",
     "EngineError",
     "EngineStats",
     "EngineStoppedError",
@@ -25,4 +42,5 @@ __all__ = [
     "NativeEngineConfig",
     "QueueFullError",
     "SpecStats",
+    "engine_class",
 ]

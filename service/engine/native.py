@@ -134,7 +134,13 @@ class NativeEngine:
 
     @property
     def max_block_size(self) -> int:
+        """Largest block size the draft allows (1 without a draft)."""
         return self.session.max_block_size
+
+    @property
+    def context_length(self) -> int:
+        """The target's context length."""
+        return self.target.context_length
 
     def _check_policy(self, policy: BlockPolicy) -> None:
         if max(policy.block_sizes) > self.session.max_block_size:

@@ -4,7 +4,9 @@ and the block-size policy."""
 from __future__ import annotations
 
 import bisect
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from speculative.sampling import SamplingParams
 
@@ -98,3 +100,36 @@ class EngineStats:
     waiting: int
     block_size: int
     draining: bool
+
+
+class Engine(Protocol):
+    """What the API needs from an engine (native today, SGLang next)."""
+
+    @property
+    def context_length(self) -> int:
+        """Prompt + completion tokens a request may use at most."""
+        ...
+
+    @property
+    def max_block_size(self) -> int:
+        """Largest block size the engine can verify (1: no draft)."""
+        ...
+
+    @property
+    def policy(self) -> BlockPolicy:
+        """The block-size policy in force."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """Admit ``request`` and stream its deltas; closing the iterator aborts it."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def set_policy(self, policy: BlockPolicy) -> None: ...
