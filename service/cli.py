@@ -15,6 +15,7 @@ from service.api.app import build_app
 from service.config import ServeSettings
 from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.profile import profile_step_times
 from service.controller.source import observation_from_text
 from service.engine import BlockPolicy, NativeEngine, NativeEngineConfig, engine_class
 from service.metrics import Metrics
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     engine, tokenizer = build_engine(settings, metrics)
+    if settings.profile_startup and engine.max_block_size > 1:
+        profile_step_times(engine.session, metrics.observe_step_time, batch_sizes=(1, 2, 4, 8, settings.max_batch_size))
     controller = in_process_controller(engine, metrics, settings) if settings.controller else None
     app = build_app(settings, engine, tokenizer, metrics, controller)
     uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=int(settings.drain_timeout_s))

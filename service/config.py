@@ -32,6 +32,7 @@ class ServeSettings(BaseSettings):
     admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")
     controller: bool = Field(default=True, description="adapt the block size to load in-process")
     controller_interval_s: float = Field(default=10.0, gt=0, description="seconds between controller decisions")
+    profile_startup: bool = Field(default=False, description="time a few steps per batch/block size before serving")
 
     @property
     def model_name(self) -> str:

@@ -87,6 +87,10 @@ class Metrics:
                 self.accepted_per_position.labels(str(k)).inc(accepted)
                 self.verified_per_position.labels(str(k)).inc(verified)
 
+    def observe_step_time(self, stats: RoundStats, seconds: float) -> None:
+        """Account a step's time only (start-up profile: its acceptance is not real)."""
+        self.step_seconds.labels(str(stats.block_size), batch_bucket(stats.batch_size)).observe(seconds)
+
     def observe_request(self, *, prompt_tokens: int, finish_reason: str, e2e: float) -> None:
         """Account one finished (or aborted) request."""
         self.prompt_tokens.inc(prompt_tokens)

@@ -217,3 +217,28 @@ dflash_verified_tokens_per_position_total{position="1"} 100
         observation_from_text(["dflash_step_seconds_count{block_size=8 oops"], now=1.0)
     with pytest.raises(SourceError):
         observation_from_text(['dflash_verified_tokens_per_position_total{position="1"} NaN'], now=1.0)
+
+
+def test_startup_profile_seeds_step_times_for_idle_buckets(model):
+    from service.controller.profile import profile_step_times
+    from service.controller.source import observation_from_text
+    from service.metrics import Metrics
+    from speculative.session import DecodeSession
+
+    _, target, draft, _ = model
+    metrics = Metrics()
+    session = DecodeSession(target, draft)
+    profile_step_times(session, metrics.observe_step_time, batch_sizes=(1, 8), block_sizes=(1, 4), steps=3)
+    assert len(session) == 0
+    from prometheus_client import generate_latest
+
+    obs = observation_from_text([generate_latest(metrics.registry).decode()], now=0.0)
+    assert set(obs.step_seconds) == {("1", 1), ("1", 4), ("8-15", 1), ("8-15", 4)}
+    assert all(count == 3 for _, count in obs.step_seconds.values())
+    assert obs.verified == {}  # random prompts say nothing about acceptance
+    later = Observation(1.0, obs.step_seconds, {}, {})
+    settings = ControllerSettings(min_steps=3, max_block_size=4)
+    state = ControllerState.initial(4)
+    state.estimates.update(Observation(0.0, {}, {}, {}), settings.half_life_s)
+    decision, _ = decide(later, state, settings)
+    assert "no measurements" not in decision.reasons["8-15"]

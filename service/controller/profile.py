@@ -1,0 +1,44 @@
+"""Optional start-up profile: time real engine steps at a few batch sizes and
+block sizes before serving, so the controller starts from measured step times
+instead of only its prior (``dflash-serve --profile-startup``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from speculative.sampling import SamplingParams
+from speculative.session import DecodeSession, RoundStats
+
+
+def profile_step_times(
+    session: DecodeSession,
+    observe: Callable[[RoundStats, float], None],
+    *,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+    block_sizes: Sequence[int] = (1, 4, 8, 16),
+    prompt_tokens: int = 64,
+    steps: int = 4,
+    seed: int = 0,
+) -> None:
+    """Run ``steps`` rounds per (batch size, block size) on random prompts and
+    report each step's stats and seconds to ``observe`` (e.g. the metrics'
+    step-time histogram). Acceptance on random prompts is meaningless, so
+    callers should record step times only. ``session`` must be empty and is
+    left empty."""
+    if len(session):
+        raise ValueError("profile an idle session")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = session.target.vocab_size
+    for batch in batch_sizes:
+        keys = [f"profile-{batch}-{i}" for i in range(batch)]
+        prompts = torch.randint(0, vocab, (batch, prompt_tokens), generator=generator).tolist()
+        for b in (b for b in block_sizes if b <= session.max_block_size):
+            session.add(keys, prompts, [SamplingParams()] * batch)
+            try:
+                for _ in range(steps):
+                    stats, _ = session.step(b)
+                    observe(stats, stats.draft_seconds + stats.verify_seconds)
+            finally:
+                session.remove(keys)
