@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from service.controller import (
     BUCKETS,
@@ -18,8 +18,10 @@ from service.controller import (
     expected_acceptance_length,
 )
 from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.profile import profile_step_times
 from service.controller.source import SourceError, observation_from_text
-from service.metrics import batch_bucket
+from service.metrics import Metrics, batch_bucket
+from speculative.session import DecodeSession
 
 ALPHA = 0.8  # true per-position survival ratio: S_k = ALPHA ** k
 SLOPE = {1: 0.04, 4: 0.12, 16: 0.5, 32: 1.2}  # extra step time per extra block token, relative
@@ -220,18 +222,11 @@ dflash_verified_tokens_per_position_total{position="1"} 100
 
 
 def test_startup_profile_seeds_step_times_for_idle_buckets(model):
-    from service.controller.profile import profile_step_times
-    from service.controller.source import observation_from_text
-    from service.metrics import Metrics
-    from speculative.session import DecodeSession
-
     _, target, draft, _ = model
     metrics = Metrics()
     session = DecodeSession(target, draft)
     profile_step_times(session, metrics.observe_step_time, batch_sizes=(1, 8), block_sizes=(1, 4), steps=3)
     assert len(session) == 0
-    from prometheus_client import generate_latest
-
     obs = observation_from_text([generate_latest(metrics.registry).decode()], now=0.0)
     assert set(obs.step_seconds) == {("1", 1), ("1", 4), ("8-15", 1), ("8-15", 4)}
     assert all(count == 3 for _, count in obs.step_seconds.values())
