@@ -48,11 +48,9 @@ def test_controller_reads_prometheus_and_pushes_to_every_replica(model, tmp_path
             f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: dflash\n"
             f"    static_configs:\n      - targets: [{targets}]\n"
         )
-        server = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        command = ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                   f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         prom = f"http://127.0.0.1:{port}"
         try:
             wait_until(lambda: _ok(prom + "/-/ready"))
@@ -81,6 +79,12 @@ def test_controller_reads_prometheus_and_pushes_to_every_replica(model, tmp_path
             assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 1
             with pytest.raises(SourceError):
                 query_prometheus(prom, 0.0)
+
+            server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_until(lambda: _ok(prom + "/-/ready"))
+            wait_until(lambda: query_prometheus(prom, 0.0).step_seconds == direct.step_seconds)
+            assert loop.tick() is not None  # recovered
+            assert registry.get_sample_value("dflash_controller_decisions_total") == 2
         finally:
             if server.poll() is None:
                 server.kill()
