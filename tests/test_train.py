@@ -4,7 +4,7 @@ import json
 import math
 
 import torch
-from builders import SMALL_CORPUS, draft_config_dict, tiny_target
+from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, tiny_target
 
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
@@ -186,3 +186,17 @@ def test_cli_trains_and_writes_a_model_card(tiny_pipeline, tmp_path):
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "DFlash draft" in card and "final loss" in card and "dflash-train draft --target" in card
     assert load_draft(tmp_path / "draft").block_size == 4
+
+
+def test_target_training_can_start_from_a_saved_model(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    saved = TargetModel.from_pretrained(root / "target").model.state_dict()
+    cfg = TargetTrainConfig(
+        out_dir=tmp_path / "more", run_dir=tmp_path / "run", vocab_size=320, hidden_size=HIDDEN, num_layers=4,
+        num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=2048, seq_len=32, batch_size=2,
+        steps=1, warmup_steps=1, lr=1e-12, tokenizer=str(root / "target"), init_from=str(root / "target"),
+    )  # fmt: skip
+    train_target(cfg, Corpus.stdlib(SMALL_CORPUS))
+    continued = TargetModel.from_pretrained(tmp_path / "more").model.state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(continued[name], tensor, rtol=0, atol=1e-2)  # bf16 storage

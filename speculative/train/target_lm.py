@@ -26,7 +26,9 @@ from speculative.train.tokenizer import END_OF_TEXT, chat_text, save_tokenizer, 
 class TargetTrainConfig:
     """Target LM training settings (sizes in tokens unless stated). ``tokenizer``:
     a directory whose tokenizer to reuse instead of training one (an assistant
-    model for assisted generation must share the target's tokenizer)."""
+    model for assisted generation must share the target's tokenizer).
+    ``init_from``: a model directory whose weights start the run (to continue
+    training a committed model; the optimizer starts fresh)."""
 
     out_dir: Path
     run_dir: Path
@@ -49,6 +51,7 @@ class TargetTrainConfig:
     time_limit_minutes: float = 0.0
     seed: int = 0
     tokenizer: str = ""
+    init_from: str = ""
 
 
 def model_config(cfg: TargetTrainConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
@@ -134,6 +137,9 @@ def train_target(cfg: TargetTrainConfig, corpus: Corpus | None = None) -> dict:
     tokenizer, train, valid, info = prepare_tokens(cfg, corpus)
     torch.manual_seed(cfg.seed)
     model = Qwen3ForCausalLM(model_config(cfg, tokenizer)).float().train()
+    if cfg.init_from:
+        start = Qwen3ForCausalLM.from_pretrained(cfg.init_from, local_files_only=True, dtype=torch.float32)
+        model.load_state_dict(start.state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
