@@ -3,14 +3,11 @@
 import json
 
 import pytest
-from builders import draft_config_dict
 
 from speculative.bench.cli import main
 from speculative.bench.datasets import humaneval, mtbench
 from speculative.bench.run import distinct_ngram_ratio
 from speculative.checkpoint import save_draft
-from speculative.config import DFlashConfig
-from speculative.draft import DFlashDraftModel
 
 
 def test_datasets_come_from_the_installed_packages():
@@ -26,13 +23,8 @@ def test_distinct_ngram_ratio():
     assert distinct_ngram_ratio([[1, 2]]) == 1.0
 
 
-def test_bench_prints_table_and_json(tiny_pipeline, tmp_path, capsys):
-    root, _, _ = tiny_pipeline
-    draft = DFlashDraftModel(
-        DFlashConfig.from_dict(
-            draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
-        )
-    )
+def test_bench_prints_table_and_json(model, tmp_path, capsys):
+    root, _, draft, _ = model
     save_draft(draft, tmp_path / "draft")
     main(
         [
@@ -53,15 +45,10 @@ def test_bench_prints_table_and_json(tiny_pipeline, tmp_path, capsys):
     assert lines[0].split()[:2] == ["dataset", "method"]
 
 
-def test_demo_runs_a_local_pair_through_the_chat_template(tiny_pipeline, tmp_path, capsys):
+def test_demo_runs_a_local_pair_through_the_chat_template(model, tmp_path, capsys):
     from speculative.demo import main as demo
 
-    root, _, _ = tiny_pipeline
-    draft = DFlashDraftModel(
-        DFlashConfig.from_dict(
-            draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
-        )
-    )
+    root, _, draft, _ = model
     save_draft(draft, tmp_path / "draft")
     demo(["--target", str(root / "target"), "--draft", str(tmp_path / "draft"), "--block-sizes", "2", "4",
           "--max-new-tokens", "8"])  # fmt: skip
