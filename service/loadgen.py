@@ -114,14 +114,13 @@ async def direct_level(engine, tokenizer, prompts: list[str], max_tokens: int, t
     """The same requests through ``engine.generate`` in-process, one at a time:
     the baseline that shows what HTTP + SSE add at concurrency 1."""
     from service.engine import GenerateRequest
+    from speculative.chat import stop_token_ids, user_prompt_ids
     from speculative.sampling import SamplingParams
 
     level = LevelResult(concurrency=1, seconds=0.0)
-    stop = tuple(i for i in {tokenizer.eos_token_id, tokenizer.pad_token_id} if i is not None)
+    stop = stop_token_ids(tokenizer)
     for i, prompt in enumerate(prompts):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=False)  # fmt: skip
-        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = tuple(user_prompt_ids(tokenizer, [prompt])[0])
         request = GenerateRequest(f"direct-{i}", ids, max_tokens, SamplingParams(temperature), stop)
         start = time.perf_counter()
         ttft, last, gaps, tokens, tau = None, start, [], 0, None

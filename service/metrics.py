@@ -76,7 +76,7 @@ class Metrics:
         b = str(stats.block_size)
         self.verify_steps.labels(b).inc()
         self.verify_rows.inc(stats.batch_size)
-        self.step_seconds.labels(b, batch_bucket(stats.batch_size)).observe(seconds)
+        self.observe_step_time(stats, seconds)
         self.block_size.set(stats.block_size)
         if stats.block_size > 1:
             self.draft_tokens.inc(sum(stats.verified_per_position))

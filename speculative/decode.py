@@ -126,10 +126,6 @@ def _check_inputs(
         if config.block_size > draft.block_size:
             raise ValueError(f"block_size {config.block_size} exceeds the draft's trained block {draft.block_size}")
     for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompt {i} is empty")
-        if min(prompt) < 0 or max(prompt) >= target.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {target.vocab_size})")
         if len(prompt) + config.max_new_tokens > target.context_length:
             raise ValueError(
                 f"prompt {i}: {len(prompt)} prompt tokens + {config.max_new_tokens} new tokens exceed "

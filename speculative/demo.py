@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from speculative.chat import user_prompt_ids
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, GenerationResult, spec_generate
@@ -84,11 +85,9 @@ def load_pair(
     through the chat template when the tokenizer has one."""
     tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
     if tokenizer.chat_template:
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts
-        ]
-    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        ids = user_prompt_ids(tokenizer, prompts)
+    else:
+        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     return TargetModel.from_pretrained(target_path), load_draft(draft_path), {"prompts": ids}
 
 

@@ -11,23 +11,7 @@ import torch
 from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
 from speculative.train.loop import warmup_cosine
-from speculative.train.objective import default_gamma, dflash_loss
-
-
-def sample_anchors(
-    lengths: torch.Tensor, starts: torch.Tensor, count: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``count`` distinct anchors per row from ``[starts, lengths - 1)`` (an
-    anchor needs at least one label after it), sorted; rows with fewer candidate
-    positions get padding anchors, marked invalid. Returns (anchors, valid) [B, count]."""
-    anchors = torch.zeros(len(lengths), count, dtype=torch.long)
-    valid = torch.zeros(len(lengths), count, dtype=torch.bool)
-    for row, (start, end) in enumerate(zip(starts.tolist(), (lengths - 1).tolist(), strict=True)):
-        candidates = torch.arange(start, max(start, end))
-        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
-        anchors[row, : len(chosen)] = chosen
-        valid[row, : len(chosen)] = True
-    return anchors, valid
+from speculative.train.objective import default_gamma, dflash_loss, sample_anchors
 
 
 def distill_draft(

@@ -12,6 +12,7 @@ from live import make_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import batch_bucket
+from speculative.chat import user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
 
 
@@ -33,22 +34,16 @@ def greedy_text(model, text_prompt_ids, n):
     return tokenizer.decode(ids, skip_special_tokens=True), ids
 
 
-def chat_ids(tokenizer, content):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)  # fmt: skip
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def test_chat_completion_equals_offline_greedy(model, client):
     tokenizer = model[3]
     reply = client.chat.completions.create(
         model="target", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=20, temperature=0
     )
-    expected, ids = greedy_text(model, chat_ids(tokenizer, "def add(a, b):"), 20)
+    expected, ids = greedy_text(model, user_prompt_ids(tokenizer, ["def add(a, b):"])[0], 20)
     assert reply.choices[0].message.content == expected
     assert reply.choices[0].finish_reason == ("stop" if ids[-1] in (0, 2) else "length")
     assert reply.usage.completion_tokens == len(ids)
-    assert reply.usage.prompt_tokens == len(chat_ids(tokenizer, "def add(a, b):"))
+    assert reply.usage.prompt_tokens == len(user_prompt_ids(tokenizer, ["def add(a, b):"])[0])
     assert reply.model_extra["speculative"]["verify_rounds"] >= 1
 
 

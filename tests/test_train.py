@@ -9,14 +9,19 @@ from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, tiny_target
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
-from speculative.distill import sample_anchors
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 from speculative.train.cli import main
 from speculative.train.corpus import Corpus
 from speculative.train.draft_train import DraftTrainConfig, load_records, train_draft
-from speculative.train.objective import block_visibility, default_gamma, dflash_loss, position_weights
+from speculative.train.objective import (
+    block_visibility,
+    default_gamma,
+    dflash_loss,
+    position_weights,
+    sample_anchors,
+)
 from speculative.train.regenerate import RegenerateConfig, regenerate
 from speculative.train.target_lm import TargetTrainConfig, train_target
 

@@ -24,6 +24,7 @@ from service.config import ServeSettings
 from service.controller.loop import ControllerLoop
 from service.engine import BlockPolicy, Delta, Engine, EngineError, GenerateRequest
 from service.metrics import Metrics
+from speculative.chat import chat_ids, stop_token_ids
 from speculative.sampling import SamplingParams
 
 
@@ -55,7 +56,7 @@ def build_app(
     app.state.settings, app.state.engine, app.state.tokenizer = settings, engine, tokenizer
     app.state.metrics = metrics or Metrics()
     app.state.ready = False
-    app.state.stop_ids = _stop_token_ids(tokenizer)
+    app.state.stop_ids = stop_token_ids(tokenizer)
     install_handlers(app)
     authorized = Depends(_check_api_key)
 
@@ -97,8 +98,7 @@ def build_app(
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids = chat_ids(tokenizer, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
 
@@ -273,9 +273,3 @@ def _check_api_key(request: Request) -> None:
     key = request.app.state.settings.api_key
     if key and request.headers.get("authorization") != f"Bearer {key}":
         raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
-
-
-def _stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """End of turn and end of text both end a generation."""
-    ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    return tuple(sorted(i for i in ids if i is not None))

@@ -12,16 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.bench.datasets import DATASETS
 from speculative.bench.run import BenchSettings, run_dflash, run_hf_generate
+from speculative.chat import stop_token_ids, user_prompt_ids
 from speculative.checkpoint import load_draft
 from speculative.target import TargetModel
-
-
-def _chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    rendered = [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-        for t in texts
-    ]
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def benchmark(args: argparse.Namespace) -> dict:
@@ -34,13 +27,13 @@ def benchmark(args: argparse.Namespace) -> dict:
         seed=args.seed,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
-    stop = tuple(tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.eos_token, tokenizer.pad_token))
+    stop = stop_token_ids(tokenizer)
     target = TargetModel.from_pretrained(args.target)
     draft = load_draft(args.draft)
     assistant = AutoModelForCausalLM.from_pretrained(str(args.assistant)).float() if args.assistant else None
     rows = []
     for name in args.datasets:
-        ids = _chat_ids(tokenizer, [p.text for p in DATASETS[name](args.limit)])
+        ids = user_prompt_ids(tokenizer, [p.text for p in DATASETS[name](args.limit)])
         ids = [x for x in ids if len(x) + settings.max_new_tokens + max(settings.block_sizes) <= target.context_length]
         for temperature in settings.temperatures:
             for batch in settings.batch_sizes:

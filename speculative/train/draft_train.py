@@ -20,11 +20,10 @@ from transformers import AutoTokenizer
 
 from speculative.checkpoint import save_draft
 from speculative.config import DFlashConfig, build_target_layer_ids
-from speculative.distill import sample_anchors
 from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
 from speculative.train.loop import ResumableRun, warmup_cosine
-from speculative.train.objective import default_gamma, dflash_loss
+from speculative.train.objective import default_gamma, dflash_loss, sample_anchors
 from speculative.train.tokenizer import MASK
 
 

@@ -50,6 +50,22 @@ def block_visibility(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
     return torch.cat([context, same_block], dim=2)
 
 
+def sample_anchors(
+    lengths: torch.Tensor, starts: torch.Tensor, count: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``count`` distinct anchors per row from ``[starts, lengths - 1)`` (an
+    anchor needs at least one label after it), sorted; rows with fewer candidate
+    positions get padding anchors, marked invalid. Returns (anchors, valid) [B, count]."""
+    anchors = torch.zeros(len(lengths), count, dtype=torch.long)
+    valid = torch.zeros(len(lengths), count, dtype=torch.bool)
+    for row, (start, end) in enumerate(zip(starts.tolist(), (lengths - 1).tolist(), strict=True)):
+        candidates = torch.arange(start, max(start, end))
+        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
+        anchors[row, : len(chosen)] = chosen
+        valid[row, : len(chosen)] = True
+    return anchors, valid
+
+
 @dataclass
 class LossOutput:
     """The weighted loss and, per block slot 1..b-1, correct and counted labels."""

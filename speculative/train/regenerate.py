@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from speculative.chat import stop_token_ids, user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
@@ -81,11 +82,7 @@ def regenerate_chat_prompts(
     for a full response within the context are skipped (and counted)."""
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     target = TargetModel.from_pretrained(target_dir)
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    encoded = user_prompt_ids(tokenizer, prompts)
     # Prompts that cannot fit a full response in the target's context are skipped.
     longest = config.max_prompt_tokens or target.context_length
     fits = [
@@ -94,7 +91,7 @@ def regenerate_chat_prompts(
         if len(x) <= longest and len(x) + config.max_new_tokens <= target.context_length
     ]
     ids, prompts = [encoded[i] for i in fits], [prompts[i] for i in fits]
-    stop = tuple(tokenizer.convert_tokens_to_ids(t) for t in (tokenizer.eos_token, tokenizer.pad_token))
+    stop = stop_token_ids(tokenizer)
     torch.manual_seed(config.seed)
     records = regenerate(target, ids, stop, config)
     out.parent.mkdir(parents=True, exist_ok=True)
