@@ -17,25 +17,18 @@ from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.profile import profile_step_times
 from service.controller.source import observation_from_text
-from service.engine import BlockPolicy, NativeEngine, NativeEngineConfig, engine_class
+from service.engine import Engine, NativeEngine, engine_class
 from service.metrics import Metrics
-from speculative.checkpoint import load_draft
-from speculative.target import TargetModel
 
 
-def build_engine(settings: ServeSettings, metrics: Metrics) -> tuple[NativeEngine, object]:
-    """The native engine (reporting steps to ``metrics``) and tokenizer for
-    ``settings``; local files only."""
+def build_engine(settings: ServeSettings, metrics: Metrics) -> tuple[Engine, object]:
+    """The engine chosen by ``--engine`` (steps reported to ``metrics``) and the
+    target's tokenizer; local files only."""
     tokenizer = AutoTokenizer.from_pretrained(str(settings.target), local_files_only=True)
-    target = TargetModel.from_pretrained(settings.target, device=settings.device)
-    draft = load_draft(settings.draft, device=settings.device) if settings.draft else None
-    policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
-    config = NativeEngineConfig(max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting, policy=policy)
-    engine = engine_class(settings.engine)(target, draft, tokenizer, config, on_step=metrics.observe_step)
-    return engine, tokenizer
+    return engine_class(settings.engine).from_settings(settings, tokenizer, metrics), tokenizer
 
 
-def in_process_controller(engine: NativeEngine, metrics: Metrics, settings: ServeSettings) -> ControllerLoop | None:
+def in_process_controller(engine: Engine, metrics: Metrics, settings: ServeSettings) -> ControllerLoop | None:
     """The controller reading this replica's own counters and setting its engine's
     policy directly (none without a draft: there is nothing to adapt)."""
     if engine.max_block_size == 1:
@@ -56,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     engine, tokenizer = build_engine(settings, metrics)
-    if settings.profile_startup and engine.max_block_size > 1:
+    if settings.profile_startup and isinstance(engine, NativeEngine) and engine.max_block_size > 1:
         profile_step_times(engine.session, metrics.observe_step_time, batch_sizes=(1, 2, 4, 8, settings.max_batch_size))
     controller = in_process_controller(engine, metrics, settings) if settings.controller else None
     app = build_app(settings, engine, tokenizer, metrics, controller)

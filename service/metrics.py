@@ -2,15 +2,16 @@
 request timings. Only raw counters, histograms and gauges are exported; rates
 and ratios are derived in PromQL (the dashboards use exactly these):
 
-Mean acceptance length (tokens committed per verify round and request):
-    (rate(dflash_accepted_tokens_total[1m]) + rate(dflash_verify_rows_total[1m]))
-      / rate(dflash_verify_rows_total[1m])
+Mean acceptance length (tokens committed per verify round and request; add
+``by (block_size)`` to every sum for one curve per block size):
+    (sum(rate(dflash_accepted_tokens_total[1m])) + sum(rate(dflash_verify_rows_total[1m])))
+      / sum(rate(dflash_verify_rows_total[1m]))
 Survival / acceptance at draft position k (correct when b changes, because
 only rows that verified a draft at position k count in the denominator):
     rate(dflash_accepted_tokens_per_position_total{position="k"}[5m])
       / rate(dflash_verified_tokens_per_position_total{position="k"}[5m])
 Draft acceptance rate:
-    rate(dflash_accepted_tokens_total[5m]) / rate(dflash_draft_tokens_total[5m])
+    sum(rate(dflash_accepted_tokens_total[5m])) / sum(rate(dflash_draft_tokens_total[5m]))
 Estimated speedup over plain decoding (tokens per second of a step versus a
 b=1 step at the same batch bucket), e.g. for bucket "1":
     (sum(rate(dflash_generation_tokens_total[5m]))
@@ -47,9 +48,10 @@ class Metrics:
         r = self.registry
         self.verify_steps = Counter("dflash_verify_steps", "Engine steps (one draft + one target forward)",
                                     ["block_size"], registry=r)  # fmt: skip
-        self.verify_rows = Counter("dflash_verify_rows", "Row-rounds verified (requests x steps)", registry=r)
-        self.draft_tokens = Counter("dflash_draft_tokens", "Drafted tokens verified", registry=r)
-        self.accepted_tokens = Counter("dflash_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.verify_rows = Counter("dflash_verify_rows", "Row-rounds verified (requests x steps)", ["block_size"],
+                                   registry=r)  # fmt: skip
+        self.draft_tokens = Counter("dflash_draft_tokens", "Drafted tokens verified", ["block_size"], registry=r)
+        self.accepted_tokens = Counter("dflash_accepted_tokens", "Drafted tokens accepted", ["block_size"], registry=r)
         self.accepted_per_position = Counter(
             "dflash_accepted_tokens_per_position", "Drafts accepted at block position", ["position"], registry=r
         )
@@ -75,12 +77,12 @@ class Metrics:
         """Account one engine step (called on the scheduler thread)."""
         b = str(stats.block_size)
         self.verify_steps.labels(b).inc()
-        self.verify_rows.inc(stats.batch_size)
+        self.verify_rows.labels(b).inc(stats.batch_size)
         self.observe_step_time(stats, seconds)
         self.block_size.set(stats.block_size)
         if stats.block_size > 1:
-            self.draft_tokens.inc(sum(stats.verified_per_position))
-            self.accepted_tokens.inc(sum(stats.accepted_per_position))
+            self.draft_tokens.labels(b).inc(sum(stats.verified_per_position))
+            self.accepted_tokens.labels(b).inc(sum(stats.accepted_per_position))
             for k, (accepted, verified) in enumerate(
                 zip(stats.accepted_per_position, stats.verified_per_position, strict=True), start=1
             ):

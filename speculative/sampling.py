@@ -18,12 +18,17 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. ``temperature == 0`` means greedy; ``top_k == 0``
-    and ``top_p == 1`` disable those filters; ``seed`` makes the row reproducible."""
+    and ``top_p == 1`` disable those filters; ``seed`` makes the row reproducible.
+    Penalties (``speculative.penalties``): ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] (0: off), ``repetition_penalty`` > 0 (1: off)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -32,6 +37,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when any repetition penalty is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,7 @@ import torch
 
 from speculative.batch import RaggedBatch, append_draft_context, draft_context
 from speculative.draft import DFlashDraftModel
+from speculative.penalties import TokenHistory, penalize
 from speculative.sampling import SamplingParams, make_generators, probabilities, sample_positions, sample_rows
 from speculative.target import TargetModel
 from speculative.verify import Verdict, verify_greedy, verify_sampled
@@ -77,24 +78,29 @@ def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
 
 @dataclass
 class _Rows:
-    """Per-row state in batch order: caller's key, current anchor, sampling."""
+    """Per-row state in batch order: caller's key, current anchor, sampling,
+    and the token history the repetition penalties read."""
 
     keys: list[Hashable]
     anchors: torch.Tensor
     params: list[SamplingParams]
     generators: list[torch.Generator]
+    history: TokenHistory
 
     def select(self, index: list[int]) -> None:
+        rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
         self.keys = [self.keys[i] for i in index]
-        self.anchors = self.anchors[torch.tensor(index, dtype=torch.long, device=self.anchors.device)]
+        self.anchors = self.anchors[rows]
         self.params = [self.params[i] for i in index]
         self.generators = [self.generators[i] for i in index]
+        self.history.select(rows)
 
     def extend(self, other: _Rows) -> None:
         self.keys += other.keys
         self.anchors = torch.cat([self.anchors, other.anchors])
         self.params += other.params
         self.generators += other.generators
+        self.history.extend(other.history)
 
 
 class DecodeSession:
@@ -117,7 +123,8 @@ class DecodeSession:
         self.target, self.draft = target, draft
         self.proposal, self.compact_slack = proposal, compact_slack
         self.batch: RaggedBatch | None = None
-        self.rows = _Rows([], torch.empty(0, dtype=torch.long, device=target.device), [], [])
+        self.rows = _Rows([], torch.empty(0, dtype=torch.long, device=target.device), [], [],
+                          TokenHistory.from_prompts([], target.vocab_size, target.device))  # fmt: skip
         self.prefill_seconds = 0.0
 
     def __len__(self) -> int:
@@ -146,7 +153,13 @@ class DecodeSession:
         start = _clock(self.target.device)
         batch, last_logits = self._prefill(prompts)
         generators = make_generators(sampling, self.target.device)
-        rows = _Rows(list(keys), _sample_first(last_logits, list(sampling), generators), list(sampling), generators)
+        # Only penalised rows keep a token history (the others never read it).
+        tracked = [p if s.penalized else () for p, s in zip(prompts, sampling, strict=True)]
+        history = TokenHistory.from_prompts(tracked, vocab, self.target.device)
+        last_logits = penalize(last_logits[:, None], sampling, history)[:, 0]
+        first = _sample_first(last_logits, list(sampling), generators)
+        history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
+        rows = _Rows(list(keys), first, list(sampling), generators, history)
         if self.batch is None:
             self.batch = batch
         else:
@@ -199,6 +212,8 @@ class DecodeSession:
             )
         }
         self.rows.anchors = verdict.next_token
+        params = self.rows.params
+        self.rows.history.add([t if p.penalized else () for t, p in zip(emitted.values(), params, strict=True)])
         return _round_stats(num_accepted, block_size, t1 - t0, t2 - t1), emitted
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
@@ -236,7 +251,8 @@ class DecodeSession:
         embeddings = self.target.embed(block) * draft.config.input_embedding_scale
         hidden = draft(embeddings, positions, draft_context(self.batch.draft_cache), self.batch.slot_positions)
         # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
-        logits = self.target.lm_head(hidden[:, 1:])
+        # Penalties use the committed history only, so every slot is still drafted in parallel.
+        logits = penalize(self.target.lm_head(hidden[:, 1:]), self.rows.params, self.rows.history)
         if self.proposal == "argmax":
             return logits.argmax(dim=-1), None
         q = probabilities(logits, self.rows.params)
@@ -244,6 +260,8 @@ class DecodeSession:
 
     def _accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
         params = self.rows.params
+        # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
+        target_logits = penalize(target_logits, params, self.rows.history, drafts)
         if all(p.greedy for p in params):
             return verify_greedy(drafts, target_logits)
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)

@@ -21,6 +21,9 @@ SMALL_CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "json"
 VOCAB = 96
 MASK_ID = VOCAB - 1
 HIDDEN = 64
+# The exactness tests enumerate every continuation: a 6-token vocabulary and one prompt.
+EXACT_VOCAB = 6
+EXACT_PROMPT = [1, 2, 3, 4, 0, 1]
 
 
 def target_config(family: str = "qwen3", *, vocab: int = VOCAB, layers: int = 4, **extra):

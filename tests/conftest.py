@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, random_prompts, tiny_draft, tiny_target
+from builders import (
+    EXACT_PROMPT,
+    EXACT_VOCAB,
+    HIDDEN,
+    SMALL_CORPUS,
+    draft_config_dict,
+    random_prompts,
+    tiny_draft,
+    tiny_target,
+)
 
+from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.distill import distill_draft
+from speculative.draft import DFlashDraftModel
+from speculative.sampling import SamplingParams
 from speculative.train.corpus import Corpus, function_pairs
 from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
 from speculative.train.target_lm import TargetTrainConfig, train_target
@@ -70,8 +82,6 @@ def model(tiny_pipeline):
     (root, target, draft, tokenizer) for service tests."""
     from transformers import AutoTokenizer
 
-    from speculative.config import DFlashConfig
-    from speculative.draft import DFlashDraftModel
     from speculative.target import TargetModel
 
     root, _, _ = tiny_pipeline
@@ -79,3 +89,24 @@ def model(tiny_pipeline):
     tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
     raw = draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
     return root, target, DFlashDraftModel(DFlashConfig.from_dict(raw)), tokenizer
+
+
+@pytest.fixture(scope="session")
+def small_vocab():
+    """A 6-token target with a distilled ("good") and a confidently wrong ("bad")
+    b4 draft, for the exactness tests."""
+    V, PROMPT = EXACT_VOCAB, EXACT_PROMPT
+    target = tiny_target(vocab=V, lm_head_scale=2.0, seed=21)
+    bad = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(vocab=V, mask_token_id=V - 1, block_size=4)))
+    with torch.no_grad():
+        for name, p in bad.named_parameters():
+            if name.endswith("proj.weight") or name == "fc.weight":
+                p.normal_(0.0, 3 * p.shape[1] ** -0.5)
+        bad.norm.weight.mul_(20.0)  # confidently wrong: q is nearly one-hot on arbitrary tokens
+    good = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(vocab=V, mask_token_id=V - 1, block_size=4)))
+    prompts = random_prompts(256, seed=3, min_len=6, max_len=6, vocab=V) + [PROMPT] * 64
+    torch.manual_seed(0)
+    data = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=12), SamplingParams(1.0))
+    sequences = torch.tensor([p + o for p, o in zip(prompts, data.tokens, strict=True)])
+    distill_draft(good, target, sequences, 6, steps=250)
+    return target, {"good": good.eval(), "bad": bad.eval()}

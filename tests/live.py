@@ -1,11 +1,18 @@
 """A live dflash-serve app on loopback for API tests: uvicorn in a thread."""
 
+from __future__ import annotations
+
+import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
+import httpx2
 import uvicorn
 
 from service.api.app import build_app
+from service.cli import in_process_controller
 from service.config import ServeSettings
 from service.engine import NativeEngine, NativeEngineConfig
 from service.metrics import Metrics
@@ -32,9 +39,10 @@ class LiveServer:
         self.thread.join(30)
 
 
-def make_server(model, slow_steps=False, **settings):
+def make_server(model, slow_steps=False, controller=False, **settings):
     """A LiveServer over a fresh engine for ``model`` = (root, target, draft,
-    tokenizer); ``slow_steps`` adds 10 ms to every engine step."""
+    tokenizer); ``slow_steps`` adds 10 ms to every engine step; ``controller``
+    runs the in-process controller as ``dflash-serve`` does."""
     root, target, draft, tokenizer = model
     engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
     metrics = Metrics()
@@ -45,5 +53,67 @@ def make_server(model, slow_steps=False, **settings):
             time.sleep(0.01)
 
     engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
-    app = build_app(ServeSettings(target=root / "target", draft=None, **settings), engine, tokenizer, metrics)
-    return LiveServer(app), engine
+    serve_settings = ServeSettings(target=root / "target", draft=None, **settings)
+    loop = in_process_controller(engine, metrics, serve_settings) if controller else None
+    return LiveServer(build_app(serve_settings, engine, tokenizer, metrics, loop)), engine
+
+
+class PrometheusServer:
+    """A real ``prometheus`` process on a free loopback port scraping ``targets``
+    every ``scrape_interval``; ``stop``/``start`` to test outages."""
+
+    def __init__(self, workdir: Path, targets: list[str], scrape_interval: str = "1s",
+                 labels: dict[str, str] | None = None) -> None:  # fmt: skip
+        listed = ", ".join(f'"{u.removeprefix("http://")}"' for u in targets)
+        pairs = ", ".join(f"{k}: {v}" for k, v in (labels or {}).items())
+        extra = f"\n        labels: {{{pairs}}}" if pairs else ""
+        config = workdir / "prometheus.yml"
+        config.write_text(
+            f"global:\n  scrape_interval: {scrape_interval}\nscrape_configs:\n  - job_name: dflash\n"
+            f"    static_configs:\n      - targets: [{listed}]{extra}\n"
+        )
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.command = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+                        f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: _answers(self.url + "/-/ready"))
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+
+    def __enter__(self) -> PrometheusServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise TimeoutError("condition not reached")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx2.get(url, timeout=1).status_code == 200
+    except httpx2.TransportError:
+        return False

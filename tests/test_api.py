@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.metrics import batch_bucket
 from speculative.chat import user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.sampling import GREEDY, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,9 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
 
 
-def greedy_text(model, text_prompt_ids, n):
+def greedy_text(model, text_prompt_ids, n, sampling=GREEDY):
     _, target, _, tokenizer = model
-    ids = spec_generate(target, None, [text_prompt_ids], DecodeConfig(1, n, (0, 2))).tokens[0]
+    ids = spec_generate(target, None, [text_prompt_ids], DecodeConfig(1, n, (0, 2)), sampling).tokens[0]
     return tokenizer.decode(ids, skip_special_tokens=True), ids
 
 
@@ -54,6 +55,15 @@ def test_completions_with_text_and_token_prompts(model, client):
     by_text = client.completions.create(model="target", prompt="import json\n", max_tokens=12, temperature=0)
     by_ids = client.completions.create(model="target", prompt=prompt_ids, max_tokens=12, temperature=0)
     assert by_text.choices[0].text == by_ids.choices[0].text == expected
+
+
+def test_penalties_reach_the_decoder(model, client):
+    prompt_ids = model[3]("import json\n", add_special_tokens=False)["input_ids"]
+    penalties = dict(presence_penalty=0.5, frequency_penalty=1.5)
+    expected, _ = greedy_text(model, prompt_ids, 24, [SamplingParams(repetition_penalty=1.4, **penalties)])
+    reply = client.completions.create(model="target", prompt=prompt_ids, max_tokens=24, temperature=0, **penalties,
+                                      extra_body={"repetition_penalty": 1.4})  # fmt: skip
+    assert reply.choices[0].text == expected != greedy_text(model, prompt_ids, 24)[0]
 
 
 def test_streaming_matches_non_streaming_and_reports_usage(client):
@@ -100,6 +110,8 @@ def test_models_health_ready(server, client):
         (dict(max_tokens=0), "max_tokens"),
         (dict(logprobs=True), None),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     ],
 )
 def test_bad_fields_are_400_with_openai_shape(client, kwargs, param):

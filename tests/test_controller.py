@@ -237,3 +237,23 @@ def test_startup_profile_seeds_step_times_for_idle_buckets(model):
     state.estimates.update(Observation(0.0, {}, {}, {}), settings.half_life_s)
     decision, _ = decide(later, state, settings)
     assert "no measurements" not in decision.reasons["8-15"]
+
+
+def test_loop_repushes_an_unchanged_policy_when_asked():
+    now = [0.0]
+
+    def quiet(t):  # no traffic: the table never changes
+        now[0] += 10.0
+        return Observation(now[0], {}, {}, {})
+
+    def push_times(repush_s):
+        now[0], pushed = 0.0, []
+        loop = ControllerLoop(quiet, lambda p: pushed.append(now[0]), ControllerSettings(), 16,
+                              ControllerMetrics(CollectorRegistry()), repush_s=repush_s,
+                              clock=lambda: now[0])  # fmt: skip
+        for _ in range(8):
+            loop.tick()
+        return pushed
+
+    assert push_times(None) == [10.0]
+    assert push_times(25.0) == [10.0, 40.0, 70.0]

@@ -1,97 +1,169 @@
-"""The controller against a real Prometheus server scraping two live replicas:
-PromQL sums both, the decision is pushed to both, and Prometheus going away
-keeps the last policy."""
+"""The controller against a real Prometheus server scraping live replicas:
+PromQL sums both, the decision is pushed to both, Prometheus going away keeps
+the last policy, and the policy follows the load when concurrency changes."""
 
 import shutil
-import socket
-import subprocess
+import threading
 import time
 
 import httpx2
 import openai
 import pytest
-from live import make_server
+import torch
+from builders import random_prompts, tiny_draft, tiny_target
+from live import PrometheusServer, make_server, wait_until
 from prometheus_client import CollectorRegistry
 
+from dashboards.render import panels, promql, render
 from service.controller.cli import push_to_replicas
 from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
-from service.controller.source import SourceError, query_prometheus, scrape_replicas
+from service.controller.source import (
+    SourceError,
+    discover_replicas,
+    instant_query,
+    query_prometheus,
+    scrape_replicas,
+)
+from speculative.decode import DecodeConfig, spec_generate
+from speculative.distill import distill_draft
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs the prometheus binary (.ci/run installs it)"
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise TimeoutError("condition not reached")
-
-
 def test_controller_reads_prometheus_and_pushes_to_every_replica(model, tmp_path):
     first, _ = make_server(model, admin_key="k")
     second, _ = make_server(model, admin_key="k")
-    with first as url_a, second as url_b:
-        port = free_port()
-        targets = ", ".join(f'"{u.removeprefix("http://")}"' for u in (url_a, url_b))
-        (tmp_path / "prometheus.yml").write_text(
-            f"global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: dflash\n"
-            f"    static_configs:\n      - targets: [{targets}]\n"
-        )
-        command = ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                   f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        prom = f"http://127.0.0.1:{port}"
+    with first as url_a, second as url_b, PrometheusServer(tmp_path, [url_a, url_b]) as prometheus:
+        prom = prometheus.url
+        for url in (url_a, url_b):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            client.completions.create(model="target", prompt="x", max_tokens=30, temperature=0)
+        direct = scrape_replicas([url_a, url_b], now=0.0)
+        wait_until(lambda: query_prometheus(prom, 0.0).step_seconds == direct.step_seconds)
+        via_prometheus = query_prometheus(prom, 0.0)
+        assert via_prometheus.verified == direct.verified and via_prometheus.accepted == direct.accepted
+        assert sum(count for _, count in direct.step_seconds.values()) > 0
+
+        registry = CollectorRegistry()
+        loop = ControllerLoop(
+            lambda now: query_prometheus(prom, now), push_to_replicas(lambda: [url_a, url_b], "k"),
+            ControllerSettings(max_block_size=4), 4, ControllerMetrics(registry), clock=time.monotonic,
+        )  # fmt: skip
+        assert loop.tick() is not None and loop.pushed is not None
+        expected = loop.pushed.to_dict()
+        assert discover_replicas(prom, 'up{job="dflash"}') == sorted([url_a, url_b])
+        for url in (url_a, url_b):
+            assert httpx2.get(url + "/admin/policy", headers={"authorization": "Bearer k"}).json() == expected
+
+        prometheus.stop()
+        assert loop.tick() is None
+        assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 1
+        with pytest.raises(SourceError):
+            query_prometheus(prom, 0.0)
+
+        prometheus.start()
+        wait_until(lambda: query_prometheus(prom, 0.0).step_seconds == direct.step_seconds)
+        assert loop.tick() is not None  # recovered
+        assert registry.get_sample_value("dflash_controller_decisions_total") == 2
+
+
+# A target whose verify is memory-bound for one request and compute-bound for
+# sixteen: a wide MLP makes weight reads dominate a step of a few tokens and
+# FLOPs dominate a step of hundreds, the regime shift the controller tracks.
+HEAVY = dict(vocab=320, hidden_size=512, intermediate_size=8192, num_attention_heads=8, head_dim=64)
+LOAD_PROMPTS, PROMPT_LEN, RESPONSE_LEN = 32, 8, 64
+DISTILL_STEPS, ALONE_S, CROWDED_S = 200, 15.0, 30.0
+
+
+@pytest.fixture(scope="module")
+def heavy_pair(model):
+    """(model tuple for make_server, load prompts): the heavy target with the
+    pipeline's tokenizer and a b16 draft distilled on its greedy responses."""
+    root, _, _, tokenizer = model
+    target = tiny_target(layers=2, lm_head_scale=4.0, **HEAVY)
+    with torch.no_grad():  # special tokens (end of text, chat markers) never win: responses run to max_tokens
+        target.model.get_output_embeddings().weight[:4] = 0.0
+    prompts = [[4 + t for t in p] for p in random_prompts(LOAD_PROMPTS, seed=11, min_len=PROMPT_LEN,
+                                                             max_len=PROMPT_LEN, vocab=315)]  # fmt: skip
+    responses = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=RESPONSE_LEN)).tokens
+    draft = tiny_draft(layers=1, num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=3,
+                       **{**HEAVY, "intermediate_size": 512})  # fmt: skip
+    sequences = torch.tensor([p + r for p, r in zip(prompts, responses, strict=True)])
+    distill_draft(draft, target, sequences, PROMPT_LEN, steps=DISTILL_STEPS)
+    return (root, target, draft, tokenizer), prompts
+
+
+def hold_concurrency(url: str, prompts: list[list[int]], concurrency: int, seconds: float) -> int:
+    """Keep ``concurrency`` greedy completions in flight for ``seconds``
+    (official client, one thread each); returns how many completed."""
+    deadline, done, errors = time.monotonic() + seconds, [], []
+
+    def worker(first: int) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        i = first
         try:
-            wait_until(lambda: _ok(prom + "/-/ready"))
-            for url in (url_a, url_b):
-                client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-                client.completions.create(model="target", prompt="x", max_tokens=30, temperature=0)
-            direct = scrape_replicas([url_a, url_b], now=0.0)
-            wait_until(lambda: query_prometheus(prom, 0.0).step_seconds == direct.step_seconds)
-            via_prometheus = query_prometheus(prom, 0.0)
-            assert via_prometheus.verified == direct.verified and via_prometheus.accepted == direct.accepted
-            assert sum(count for _, count in direct.step_seconds.values()) > 0
+            while time.monotonic() < deadline:
+                client.completions.create(model="target", prompt=prompts[i % len(prompts)],
+                                          max_tokens=RESPONSE_LEN, temperature=0)  # fmt: skip
+                done.append(i)
+                i += concurrency
+        except Exception as exc:  # reported by the assertion below
+            errors.append(exc)
 
-            registry = CollectorRegistry()
-            loop = ControllerLoop(
-                lambda now: query_prometheus(prom, now), push_to_replicas([url_a, url_b], "k"),
-                ControllerSettings(max_block_size=4), 4, ControllerMetrics(registry), clock=time.monotonic,
-            )  # fmt: skip
-            assert loop.tick() is not None and loop.pushed is not None
-            expected = {"min_batch": list(loop.pushed.min_batch), "block_sizes": list(loop.pushed.block_sizes)}
-            for url in (url_a, url_b):
-                assert httpx2.get(url + "/admin/policy", headers={"authorization": "Bearer k"}).json() == expected
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return len(done)
 
-            server.terminate()
-            server.wait(30)
-            assert loop.tick() is None
-            assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 1
-            with pytest.raises(SourceError):
-                query_prometheus(prom, 0.0)
 
-            server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            wait_until(lambda: _ok(prom + "/-/ready"))
-            wait_until(lambda: query_prometheus(prom, 0.0).step_seconds == direct.step_seconds)
-            assert loop.tick() is not None  # recovered
-            assert registry.get_sample_value("dflash_controller_decisions_total") == 2
+def chosen_block(loop: ControllerLoop, bucket: str) -> int:
+    """The bucket's decided block size (not a neighbour being explored)."""
+    trial = loop.state.exploring.get(bucket)
+    return trial[1] if trial is not None else loop.state.table[bucket]
+
+
+def test_policy_follows_concurrency_through_prometheus(heavy_pair, tmp_path):
+    """One request at a time, then sixteen: the controller, reading a real
+    Prometheus that scrapes the live service, keeps a large block alone and
+    moves the crowded bucket to a small one."""
+    model, prompts = heavy_pair
+    server, engine = make_server(model, admin_key="k", max_batch_size=16)
+    settings = ControllerSettings(candidates=(1, 2, 4, 8, 16), max_block_size=16, half_life_s=20.0, min_steps=5.0,
+                                  min_verified=20.0, explore_after_s=8.0)  # fmt: skip
+    registry = CollectorRegistry()
+    with server as url, PrometheusServer(tmp_path, [url], scrape_interval="500ms") as prometheus:
+        loop = ControllerLoop(lambda now: query_prometheus(prometheus.url, now), push_to_replicas(lambda: [url], "k"),
+                              settings, 16, ControllerMetrics(registry), interval_s=1.0)  # fmt: skip
+        loop.start()
+        try:
+            assert hold_concurrency(url, prompts, 1, ALONE_S) > 0
+            alone, crowded_before = chosen_block(loop, "1"), loop.state.table["16-31"]
+            assert hold_concurrency(url, prompts, 16, CROWDED_S) >= 16
+            crowded = chosen_block(loop, "16-31")
         finally:
-            if server.poll() is None:
-                server.kill()
+            loop.stop()
+    assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 0
+    assert crowded_before == 16, "no traffic at 16 yet: the crowded bucket kept the initial block"
+    assert alone >= 8 and crowded <= alone // 2, (alone, crowded, loop.state.table)
+    assert engine.policy == loop.pushed  # what the controller decided is what the replica runs
 
 
-def _ok(url: str) -> bool:
-    try:
-        return httpx2.get(url, timeout=1).status_code == 200
-    except httpx2.TransportError:
-        return False
+def test_every_dashboard_query_returns_data_and_renders(model, tmp_path):
+    """The dashboard's PromQL against a real Prometheus that scraped a live
+    service (with its in-process controller) under load: every query returns
+    series, and every panel renders to a PNG from the same queries."""
+    server, _ = make_server(model, controller=True, controller_interval_s=1.0, max_batch_size=4)
+    with server as url, PrometheusServer(tmp_path, [url], scrape_interval="500ms", labels={"model": "target"}) as prom:
+        start = time.time()
+        assert hold_concurrency(url, [[5 + i, 6, 7] for i in range(8)], 4, 8.0) >= 4
+        time.sleep(2.0)  # a few scrapes after the last request
+        empty = [t["expr"] for p in panels() for t in p["targets"] if not instant_query(prom.url, promql(t["expr"]))]
+        assert not empty, empty
+        pngs = render(prom.url, tmp_path / "png", start, time.time())
+    assert len(pngs) == len(panels()) and all(p.stat().st_size > 5_000 for p in pngs)

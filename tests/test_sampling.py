@@ -10,20 +10,16 @@ import itertools
 
 import pytest
 import torch
-from builders import draft_config_dict, random_prompts, reference_greedy, tiny_target
+from builders import EXACT_PROMPT, EXACT_VOCAB, random_prompts, reference_greedy
 from scipy.stats import chisquare
 
 from speculative import session
-from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
-from speculative.distill import distill_draft
-from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams, probabilities
 from speculative.verify import Verdict, verify_sampled
 
 ALPHA = 1e-3
-V = 6
-PROMPT = [1, 2, 3, 4, 0, 1]
+V, PROMPT = EXACT_VOCAB, EXACT_PROMPT
 K = 3  # generated tokens whose joint distribution is checked (V**K cells)
 ROWS = 6000
 WARPS = {
@@ -97,35 +93,21 @@ def test_top_k_top_p_warping():
 # ---------------------------------------------------------------- end to end
 
 
-def exact_joint(target, params: SamplingParams) -> torch.Tensor:
-    """P(first K generated tokens) of target-only sampling, by enumeration."""
+def exact_joint(target, params: SamplingParams, transform=None) -> torch.Tensor:
+    """P(first K generated tokens) of target-only sampling, by enumeration;
+    ``transform(logits, generated)`` adjusts each prefix's logits first."""
     joint = torch.ones(1)
     for depth in range(K):
         prefixes = list(itertools.product(range(V), repeat=depth))
         ids = torch.tensor([PROMPT + list(prefix) for prefix in prefixes])
         with torch.no_grad():
             logits = target.model(ids).logits[:, -1:]
+        if transform is not None:
+            rows = [transform(row[0], list(prefix)) for row, prefix in zip(logits, prefixes, strict=True)]
+            logits = torch.stack(rows)[:, None]
         step = probabilities(logits, [params] * len(prefixes))[:, 0]
         joint = (joint[:, None] * step).flatten()
     return joint
-
-
-@pytest.fixture(scope="module")
-def small_vocab():
-    target = tiny_target(vocab=V, lm_head_scale=2.0, seed=21)
-    bad = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(vocab=V, mask_token_id=V - 1, block_size=4)))
-    with torch.no_grad():
-        for name, p in bad.named_parameters():
-            if name.endswith("proj.weight") or name == "fc.weight":
-                p.normal_(0.0, 3 * p.shape[1] ** -0.5)
-        bad.norm.weight.mul_(20.0)  # confidently wrong: q is nearly one-hot on arbitrary tokens
-    good = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(vocab=V, mask_token_id=V - 1, block_size=4)))
-    prompts = random_prompts(256, seed=3, min_len=6, max_len=6, vocab=V) + [PROMPT] * 64
-    torch.manual_seed(0)
-    data = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=12), SamplingParams(1.0))
-    sequences = torch.tensor([p + o for p, o in zip(prompts, data.tokens, strict=True)])
-    distill_draft(good, target, sequences, 6, steps=250)
-    return target, {"good": good.eval(), "bad": bad.eval()}
 
 
 def spec_joint_counts(target, draft, params: SamplingParams, proposal: str) -> tuple[torch.Tensor, float]:

@@ -79,12 +79,13 @@ def build_app(
     @app.get("/admin/policy", dependencies=[admin])
     async def get_policy() -> dict:
         policy = engine.policy
-        return {"min_batch": list(policy.min_batch), "block_sizes": list(policy.block_sizes)}
+        return policy.to_dict()
 
     @app.post("/admin/policy", dependencies=[admin])
     async def set_policy(body: PolicyBody) -> dict:
         try:
-            engine.set_policy(BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes)))
+            policy = BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes))
+            await asyncio.to_thread(engine.set_policy, policy)  # SGLang's RPC blocks
         except ValueError as exc:
             raise APIError(400, str(exc), param="block_sizes") from exc
         return await get_policy()
@@ -124,7 +125,13 @@ async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], 
         prompt_ids=tuple(prompt_ids),
         max_tokens=max_tokens if max_tokens is not None else max(1, limit),
         sampling=SamplingParams(
-            temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(0, body.top_k or 0),
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
         ),
         stop_token_ids=app.state.stop_ids,
         stop=tuple(body.stop or ()),

@@ -51,8 +51,9 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, description="extension (vLLM): 1 disables")
     user: str | None = None
 
     @field_validator("stop")
@@ -69,9 +70,6 @@ class SamplingFields(BaseModel):
     def _supported(self) -> SamplingFields:
         if self.n != 1:
             raise ValueError("n > 1 is not supported; send one request per completion")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (they would change the "
-                             "target distribution the speculative decoder reproduces exactly)")  # fmt: skip
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

@@ -8,25 +8,27 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx2
 from prometheus_client import CollectorRegistry, start_http_server
 
 from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
-from service.controller.source import query_prometheus, scrape_replicas
-from service.engine.types import BlockPolicy
+from service.controller.source import discover_replicas, query_prometheus, scrape_replicas
+from speculative.policy import BlockPolicy
 
 
-def push_to_replicas(replicas: list[str], admin_key: str, timeout: float = 5.0):
-    """A push function: POST the policy to every replica (raises on any failure,
-    so the loop retries next tick)."""
+def push_to_replicas(replicas: Callable[[], list[str]], admin_key: str, timeout: float = 5.0):
+    """A push function: POST the policy to every replica ``replicas()`` names at
+    push time (raises on any failure, so the loop retries next tick)."""
 
     def push(policy: BlockPolicy) -> None:
-        body = {"min_batch": list(policy.min_batch), "block_sizes": list(policy.block_sizes)}
-        for url in replicas:
-            response = httpx2.post(url.rstrip("/") + "/admin/policy", json=body, timeout=timeout,
-                                   headers={"authorization": f"Bearer {admin_key}"})  # fmt: skip
+        headers = {"authorization": f"Bearer {admin_key}", "content-type": "application/json"}
+        for url in replicas():
+            response = httpx2.post(url.rstrip("/") + "/admin/policy", content=policy.to_json(), timeout=timeout,
+                                   headers=headers)  # fmt: skip
             response.raise_for_status()
 
     return push
@@ -35,28 +37,44 @@ def push_to_replicas(replicas: list[str], admin_key: str, timeout: float = 5.0):
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(prog="dflash-controller", description=__doc__.splitlines()[0])
-    parser.add_argument("--replica", action="append", required=True, help="replica base URL (repeatable)")
-    parser.add_argument("--admin-key", required=True, help="the replicas' --admin-key")
+    parser.add_argument("--replica", action="append", default=[], help="replica base URL (repeatable)")
+    parser.add_argument("--discover-replicas", metavar="PROMQL",
+                        help='find replicas through --prometheus-url: the instances this query returns with a '
+                             'positive value, e.g. \'up{job="dflash-serve"}\' (re-read before every push)')  # fmt: skip
+    key = parser.add_mutually_exclusive_group(required=True)
+    key.add_argument("--admin-key", help="the replicas' --admin-key")
+    key.add_argument("--admin-key-file", type=Path, help="file holding the admin key (e.g. a mounted secret)")
     parser.add_argument("--prometheus-url", help="read counters through PromQL instead of scraping replicas")
     parser.add_argument("--max-block-size", type=int, default=16, help="the draft's trained block")
-    parser.add_argument("--interval-s", type=float, default=10.0)
+    parser.add_argument("--interval-s", type=float, default=10.0, help="seconds between decisions")
+    parser.add_argument("--repush-s", type=float, default=30.0, help="re-send an unchanged policy this often")
     parser.add_argument("--half-life-s", type=float, default=60.0)
     parser.add_argument("--metrics-port", type=int, default=9400)
     args = parser.parse_args(argv)
+    if args.discover_replicas and not args.prometheus_url:
+        parser.error("--discover-replicas needs --prometheus-url")
+    if not args.discover_replicas and not args.replica:
+        parser.error("give --replica URLs or --discover-replicas")
+    admin_key = args.admin_key or args.admin_key_file.read_text().strip()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     registry = CollectorRegistry()
     start_http_server(args.metrics_port, registry=registry)
+    if args.discover_replicas:
+        replicas = lambda: discover_replicas(args.prometheus_url, args.discover_replicas)  # noqa: E731
+    else:
+        replicas = lambda: args.replica  # noqa: E731
     if args.prometheus_url:
         observe = lambda now: query_prometheus(args.prometheus_url, now)  # noqa: E731
     else:
         observe = lambda now: scrape_replicas(args.replica, now)  # noqa: E731
     loop = ControllerLoop(
         observe,
-        push_to_replicas(args.replica, args.admin_key),
+        push_to_replicas(replicas, admin_key),
         ControllerSettings(max_block_size=args.max_block_size, half_life_s=args.half_life_s),
         args.max_block_size,
         ControllerMetrics(registry),
         interval_s=args.interval_s,
+        repush_s=args.repush_s,
     )
     loop.start()
     try:

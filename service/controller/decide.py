@@ -22,7 +22,7 @@ import copy
 from dataclasses import dataclass, field
 
 from service.controller.estimates import Estimates, Observation, expected_acceptance_length
-from service.engine.types import BlockPolicy
+from speculative.policy import BlockPolicy
 
 BUCKETS = ("1", "2-3", "4-7", "8-15", "16-31", "32-63", "64+")
 

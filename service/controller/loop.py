@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from service.controller.decide import BUCKETS, ControllerSettings, ControllerState, Decision, decide
 from service.controller.estimates import Observation
 from service.controller.source import SourceError
-from service.engine.types import BlockPolicy
+from speculative.policy import BlockPolicy
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ class ControllerMetrics:
         )
         self.decisions = Counter("dflash_controller_decisions", "Decisions taken", registry=registry)
         self.errors = Counter("dflash_controller_errors", "Failed observations or pushes", ["stage"], registry=registry)
+        for stage in ("observe", "push"):  # exported at 0 from the start, so rates and alerts see them
+            self.errors.labels(stage)
 
     def export(self, decision: Decision) -> None:
         self.decisions.inc()
@@ -43,7 +45,9 @@ class ControllerMetrics:
 
 
 class ControllerLoop:
-    """Runs ``decide`` on a thread (or by ``tick`` in tests)."""
+    """Runs ``decide`` on a thread (or by ``tick`` in tests). The policy is
+    pushed when it changes and, with ``repush_s``, again once the last push is
+    that old (replicas that restarted or were added get it too)."""
 
     def __init__(
         self,
@@ -54,12 +58,14 @@ class ControllerLoop:
         metrics: ControllerMetrics,
         *,
         interval_s: float = 10.0,
+        repush_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.observe, self.push, self.settings, self.metrics = observe, push, settings, metrics
         self.state = ControllerState.initial(min(initial_block_size, settings.max_block_size))
-        self.interval_s, self.clock = interval_s, clock
+        self.interval_s, self.repush_s, self.clock = interval_s, repush_s, clock
         self.pushed: BlockPolicy | None = None
+        self._pushed_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-controller", daemon=True)
 
@@ -73,11 +79,14 @@ class ControllerLoop:
             return None
         decision, self.state = decide(observation, self.state, self.settings)
         self.metrics.export(decision)
-        if decision.policy != self.pushed:
+        changed = decision.policy != self.pushed
+        stale = self.repush_s is not None and self.clock() - self._pushed_at >= self.repush_s
+        if changed or stale:
             try:
                 self.push(decision.policy)
-                self.pushed = decision.policy
-                log.info("block-size policy %s (%s)", decision.table, decision.reasons)
+                self.pushed, self._pushed_at = decision.policy, self.clock()
+                if changed:
+                    log.info("block-size policy %s (%s)", decision.table, decision.reasons)
             except Exception as exc:
                 self.metrics.errors.labels("push").inc()
                 log.warning("policy push failed, will retry: %s", exc)

@@ -62,17 +62,42 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
     accepted: dict[int, float] = {}
     verified: dict[int, float] = {}
     for name, query in queries.items():
-        try:
-            response = httpx2.get(base_url.rstrip("/") + "/api/v1/query", params={"query": query}, timeout=timeout)
-            response.raise_for_status()
-            payload = response.json()
-            if payload.get("status") != "success":
-                raise SourceError(f"prometheus answered {payload.get('status')!r}: {payload.get('error')}")
-            for series in payload["data"]["result"]:
-                _fold(name, series["metric"], float(series["value"][1]), steps, accepted, verified)
-        except (httpx2.HTTPError, ValueError, KeyError, TypeError, IndexError) as exc:
-            raise SourceError(f"prometheus query failed: {exc}") from exc
+        for series in instant_query(base_url, query, timeout):
+            try:
+                value = float(series["value"][1])
+            except (KeyError, TypeError, IndexError, ValueError) as exc:
+                raise SourceError(f"malformed sample in {name}: {series!r}") from exc
+            _fold(name, series.get("metric", {}), value, steps, accepted, verified)
     return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
+
+
+def instant_query(base_url: str, query: str, timeout: float = 5.0) -> list[dict]:
+    """The result vector of a PromQL instant query; SourceError on any failure."""
+    try:
+        response = httpx2.get(base_url.rstrip("/") + "/api/v1/query", params={"query": query}, timeout=timeout)
+        response.raise_for_status()
+        payload = response.json()
+        if payload.get("status") != "success":
+            raise SourceError(f"prometheus answered {payload.get('status')!r}: {payload.get('error')}")
+        return list(payload["data"]["result"])
+    except (httpx2.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise SourceError(f"prometheus query failed: {exc}") from exc
+
+
+def discover_replicas(base_url: str, query: str, timeout: float = 5.0) -> list[str]:
+    """Base URLs (``http://<instance>``) of the series ``query`` returns with a
+    positive value, e.g. ``up{job="dflash-serve"}``: the replicas Prometheus
+    currently scrapes successfully."""
+    urls = set()
+    for series in instant_query(base_url, query, timeout):
+        instance = series.get("metric", {}).get("instance")
+        try:
+            up = float(series["value"][1]) > 0
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise SourceError(f"malformed sample for {query}: {series!r}") from exc
+        if instance and up:
+            urls.add(f"http://{instance}")
+    return sorted(urls)
 
 
 def _fold(

@@ -17,7 +17,10 @@ from service.engine.types import (
     SpecStats,
 )
 
-ENGINES = {"native": "service.engine.native:NativeEngine"}
+ENGINES = {
+    "native": "service.engine.native:NativeEngine",
+    "sglang": "service.engine.sglang:SGLangEngine",
+}
 
 
 def engine_class(name: str) -> type:

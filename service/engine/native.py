@@ -21,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from service.config import ServeSettings
 from service.engine.text import Decoder, TextStream
 from service.engine.types import (
     BlockPolicy,
@@ -32,6 +33,8 @@ from service.engine.types import (
     QueueFullError,
     SpecStats,
 )
+from service.metrics import Metrics
+from speculative.checkpoint import load_draft
 from speculative.draft import DFlashDraftModel
 from speculative.session import DecodeSession, RoundStats
 from speculative.target import TargetModel
@@ -96,6 +99,15 @@ class NativeEngine:
         self._stopped = False
         self._last_block = self._policy.block_size(1)
         self._thread = threading.Thread(target=self._run, name="dflash-scheduler", daemon=True)
+
+    @classmethod
+    def from_settings(cls, settings: ServeSettings, tokenizer: Decoder, metrics: Metrics) -> NativeEngine:
+        """Load the target and draft named in ``settings``; steps go to ``metrics``."""
+        target = TargetModel.from_pretrained(settings.target, device=settings.device)
+        draft = load_draft(settings.draft, device=settings.device) if settings.draft else None
+        policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
+        config = NativeEngineConfig(settings.max_batch_size, settings.max_waiting, policy)
+        return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
 
     # ------------------------------------------------------------------ control
 

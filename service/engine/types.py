@@ -3,12 +3,17 @@ and the block-size policy."""
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from speculative.policy import BlockPolicy as BlockPolicy  # re-exported for the engines
 from speculative.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from service.config import ServeSettings
+    from service.engine.text import Decoder
+    from service.metrics import Metrics
 
 
 class EngineError(Exception):
@@ -67,32 +72,6 @@ class Delta:
 
 
 @dataclass(frozen=True)
-class BlockPolicy:
-    """Block size per batch-size range: ``block_sizes[i]`` applies to batches of at
-    least ``min_batch[i]`` rows (``min_batch[0] == 1``); b = 1 means plain decoding."""
-
-    min_batch: tuple[int, ...] = (1,)
-    block_sizes: tuple[int, ...] = (16,)
-
-    def __post_init__(self) -> None:
-        if not self.min_batch or len(self.min_batch) != len(self.block_sizes):
-            raise ValueError("min_batch and block_sizes must be non-empty and of equal length")
-        if self.min_batch[0] != 1 or list(self.min_batch) != sorted(set(self.min_batch)):
-            raise ValueError(f"min_batch must start at 1 and increase, got {self.min_batch}")
-        if min(self.block_sizes) < 1:
-            raise ValueError(f"block sizes must be >= 1, got {self.block_sizes}")
-
-    @classmethod
-    def fixed(cls, block_size: int) -> BlockPolicy:
-        """The same block size at every batch size."""
-        return cls((1,), (block_size,))
-
-    def block_size(self, batch_size: int) -> int:
-        """The block size for a batch of ``batch_size`` rows."""
-        return self.block_sizes[bisect.bisect_right(self.min_batch, batch_size) - 1]
-
-
-@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for metrics and readiness."""
 
@@ -103,7 +82,12 @@ class EngineStats:
 
 
 class Engine(Protocol):
-    """What the API needs from an engine (native today, SGLang next)."""
+    """What the API needs from an engine (``native``, ``sglang``)."""
+
+    @classmethod
+    def from_settings(cls, settings: ServeSettings, tokenizer: Decoder, metrics: Metrics) -> Engine:
+        """Build the engine ``dflash-serve`` was configured for."""
+        ...
 
     @property
     def context_length(self) -> int:

@@ -25,6 +25,7 @@ def benchmark(args: argparse.Namespace) -> dict:
         temperatures=tuple(args.temperatures),
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
     stop = stop_token_ids(tokenizer)
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="for every method (1: off); small targets loop under plain greedy decoding")  # fmt: skip
     summary = benchmark(parser.parse_args(argv))
     print_table(summary["rows"])
     print(json.dumps(summary))

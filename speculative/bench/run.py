@@ -19,13 +19,15 @@ from speculative.target import TargetModel
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What to sweep. Block size 1 (target-only) always runs as the baseline."""
+    """What to sweep. Block size 1 (target-only) always runs as the baseline.
+    ``repetition_penalty`` (1: off) applies to every method alike."""
 
     block_sizes: tuple[int, ...] = (4, 8, 16)
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_new_tokens: int = 128
     seed: int = 0
+    repetition_penalty: float = 1.0
 
 
 def distinct_ngram_ratio(sequences: Sequence[Sequence[int]], n: int = 4) -> float:
@@ -56,7 +58,10 @@ def run_dflash(
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        sampling = [SamplingParams(temperature, seed=settings.seed + i + j) for j in range(len(chunk))]
+        sampling = [
+            SamplingParams(temperature, seed=settings.seed + i + j, repetition_penalty=settings.repetition_penalty)
+            for j in range(len(chunk))
+        ]
         result = spec_generate(target, draft, chunk, config, sampling)
         merged.tokens += result.tokens
         merged.rounds += result.rounds
@@ -98,9 +103,11 @@ def run_hf_generate(
             max_new_tokens=settings.max_new_tokens,
             eos_token_id=list(stop_token_ids) or None,
             pad_token_id=stop_token_ids[0] if stop_token_ids else 0,
+            repetition_penalty=settings.repetition_penalty,
             **{"do_sample": False, **sampling, **generate_kwargs},
         )
         outputs.append(out[0, len(prompt) :].tolist())
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs,
+            "distinct_4gram": distinct_ngram_ratio(outputs)}  # fmt: skip

@@ -28,7 +28,7 @@ from speculative.target import TargetModel
 class RegenerateConfig:
     """Settings of one regeneration run. ``max_prompt_tokens`` (0: no limit but
     the context) skips longer prompts, e.g. to stay within the target's training
-    sequence length."""
+    sequence length. ``repetition_penalty``: as the served decoding will use."""
 
     max_new_tokens: int = 256
     batch_size: int = 32
@@ -37,6 +37,7 @@ class RegenerateConfig:
     top_k: int = 0
     seed: int = 0
     max_prompt_tokens: int = 0
+    repetition_penalty: float = 1.0
 
 
 def weights_sha256(model_dir: Path) -> str:
@@ -63,10 +64,10 @@ def regenerate(
     with tqdm(total=len(prompts), desc="regenerate", unit="prompt", mininterval=10) as progress:
         for start in range(0, len(order), config.batch_size):
             rows = order[start : start + config.batch_size]
-            sampling = [
-                SamplingParams(config.temperature, config.top_p, config.top_k, seed=config.seed * 1_000_003 + i)
-                for i in rows
-            ]
+            penalty = config.repetition_penalty
+            seeds = [config.seed * 1_000_003 + i for i in rows]
+            sampling = [SamplingParams(config.temperature, config.top_p, config.top_k, s, repetition_penalty=penalty)
+                        for s in seeds]  # fmt: skip
             result = spec_generate(target, None, [prompts[i] for i in rows], decode, sampling)
             for i, tokens, reason in zip(rows, result.tokens, result.finish_reasons, strict=True):
                 records[i] = {"id": i, "prompt_ids": list(prompts[i]), "response_ids": tokens, "finish_reason": reason}

@@ -1,0 +1,1 @@
+"""Grafana dashboards (JSON, provisioning) and the tool that renders their panels from Prometheus."""

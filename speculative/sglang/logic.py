@@ -1,0 +1,135 @@
+"""The plugin's logic that does not need SGLang: algorithm names, the per-step
+block size, per-block-size worker state, and acceptance accounting.
+
+Everything here runs (and is tested) on CPU; ``worker.py`` and ``plugin.py``
+apply it inside SGLang's scheduler processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from speculative.policy import BlockPolicy
+
+ADAPTIVE_ALGORITHM = "DFLASH_ADAPTIVE"
+UPSTREAM_ALGORITHM = "DFLASH"
+ADAPTIVE_ENV = "DFLASH_SERVE_ADAPTIVE"
+"""Set to "1" in the launching process (inherited by the spawned schedulers):
+the DFlash worker becomes ``AdaptiveDFlashWorker``."""
+
+MIN_BLOCK_SIZE = 2
+"""The smallest block the plugin verifies. b = 1 (plain decoding) is mapped to 2:
+the upstream worker always runs its draft forward, so a one-token verify would
+pay for a draft that proposes nothing."""
+
+# Worker attributes whose shape or content depends on the block size. The
+# upstream worker sizes them once from ``block_size``; the adaptive worker keeps
+# one set per block size and swaps them in before a step.
+BLOCK_STATE_ATTRS = (
+    "block_size",
+    "speculative_num_draft_tokens",
+    "_block_pos_offsets",
+    "_draft_block_spec_info",
+    # [capacity, block] draft buffers; reallocated when the ids buffer is None.
+    "_draft_block_ids_buf",
+    "_draft_block_positions_buf",
+    "_draft_block_tokens_buf",
+    "_draft_verify_out_cache_loc_buf",
+    "_draft_block_end_buf",
+    "_draft_seq_lens_cpu_buf",
+    # double-buffered accept outputs ([capacity, block] tokens); reallocated when the cap is 0.
+    "_accept_bonus_buffer_cap",
+    "_accept_len_buf",
+    "_commit_lens_bufs",
+    "_bonus_id_bufs",
+    "_out_tokens_bufs",
+    "_new_seq_lens_bufs",
+)
+
+
+def resolve_algorithm(name: str | None) -> tuple[str | None, bool]:
+    """``--speculative-algorithm`` as given -> (the name SGLang resolves, adaptive?).
+    ``DFLASH_ADAPTIVE`` runs as upstream ``DFLASH`` (so every upstream DFlash
+    check and code path applies) with the adaptive worker."""
+    if name is not None and name.upper() == ADAPTIVE_ALGORITHM:
+        return UPSTREAM_ALGORITHM, True
+    return name, False
+
+
+def check_policy(policy: BlockPolicy, trained_block_size: int) -> None:
+    """A pushed policy must fit the drafter: ValueError (the RPC caller sees it)."""
+    if max(policy.block_sizes) > trained_block_size:
+        raise ValueError(f"policy block sizes {policy.block_sizes} exceed the draft's block {trained_block_size}")
+
+
+def step_block_size(policy: BlockPolicy, batch_size: int, trained_block_size: int) -> int:
+    """The block to verify this step: the policy's entry for the batch size,
+    within [MIN_BLOCK_SIZE, trained_block_size]."""
+    return max(MIN_BLOCK_SIZE, min(policy.block_size(max(1, batch_size)), trained_block_size))
+
+
+class BlockStateCache:
+    """One set of ``BLOCK_STATE_ATTRS`` per block size on ``worker``.
+
+    ``activate(b)`` saves the current set under the active block size and
+    restores b's set, building it with ``fresh(b)`` the first time (attribute
+    values that make the upstream worker allocate its buffers lazily at the new
+    width). Buffers of other block sizes stay alive, so results of an earlier
+    step still being read (overlap scheduling) are never overwritten.
+    """
+
+    def __init__(self, worker: object, fresh: Callable[[int], dict[str, object]]) -> None:
+        self.worker, self.fresh = worker, fresh
+        self.active = int(worker.block_size)
+        self.saved: dict[int, dict[str, object]] = {}
+
+    def activate(self, block_size: int) -> bool:
+        """Make ``block_size`` current; True when it changed."""
+        if block_size == self.active:
+            return False
+        self.saved[self.active] = {name: getattr(self.worker, name) for name in BLOCK_STATE_ATTRS}
+        state = self.saved.pop(block_size, None) or self.fresh(block_size)
+        missing = set(BLOCK_STATE_ATTRS) - set(state)
+        if missing:
+            raise ValueError(f"state for block {block_size} lacks {sorted(missing)}")
+        for name, value in state.items():
+            setattr(self.worker, name, value)
+        self.active = block_size
+        return True
+
+
+@dataclass
+class AcceptCounters:
+    """Per-position acceptance, counted correctly when b changes between steps:
+    a position is "verified" only in rows whose block had that position."""
+
+    steps: int = 0
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] | None = None
+    verified_per_position: list[int] | None = None
+
+    def add_step(self, accept_lengths: Sequence[int], block_size: int, max_block_size: int) -> None:
+        """Fold one verify step: ``accept_lengths[i]`` drafts of row i accepted
+        (0 .. block_size - 1; the bonus token is not counted)."""
+        if self.accepted_per_position is None:
+            self.accepted_per_position = [0] * (max_block_size - 1)
+            self.verified_per_position = [0] * (max_block_size - 1)
+        drafts = block_size - 1
+        self.steps += 1
+        for accepted in accept_lengths:
+            if not 0 <= accepted <= drafts:
+                raise ValueError(f"accept length {accepted} outside 0..{drafts}")
+            self.rows += 1
+            self.drafted += drafts
+            self.accepted += accepted
+            for k in range(drafts):
+                self.verified_per_position[k] += 1
+                self.accepted_per_position[k] += k < accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per row-step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.rows) / self.rows if self.rows else 0.0

@@ -1,0 +1,293 @@
+"""The SGLang plugin's pure logic and the service's SGLang engine, on CPU.
+
+SGLang itself cannot run here; the engine tests drive ``SGLangEngine`` with a
+stand-in runtime that streams cumulative chunks the way ``sglang.Engine``
+does (a unit in isolation)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from service.config import ServeSettings
+from service.engine import BlockPolicy, GenerateRequest, InvalidRequestError, QueueFullError
+from service.engine.sglang import SGLangEngine, finish_reason, sampling_params, server_args, spec_stats
+from speculative.sampling import SamplingParams
+from speculative.sglang import plugin
+from speculative.sglang.logic import (
+    ADAPTIVE_ENV,
+    BLOCK_STATE_ATTRS,
+    AcceptCounters,
+    BlockStateCache,
+    check_policy,
+    resolve_algorithm,
+    step_block_size,
+)
+
+# --------------------------------------------------------------------- policy
+
+
+def test_policy_json_round_trip_and_errors():
+    policy = BlockPolicy((1, 4, 16), (16, 8, 2))
+    assert BlockPolicy.from_json(policy.to_json()) == policy
+    for bad in ("{", '{"min_batch": [1]}', '{"min_batch": [2], "block_sizes": [4]}', "[]"):
+        with pytest.raises(ValueError):
+            BlockPolicy.from_json(bad)
+
+
+def test_step_block_size_follows_the_table_within_bounds():
+    policy = BlockPolicy((1, 4, 16), (16, 6, 1))
+    assert [step_block_size(policy, bs, 16) for bs in (1, 3, 4, 15, 16, 64)] == [16, 16, 6, 6, 2, 2]
+    assert step_block_size(policy, 1, 8) == 8  # never above the drafter's block
+    assert step_block_size(BlockPolicy.fixed(4), 0, 16) == 4  # an idle batch counts as 1
+
+
+def test_check_policy_rejects_blocks_above_the_draft():
+    check_policy(BlockPolicy((1, 8), (16, 4)), 16)
+    with pytest.raises(ValueError, match="exceed"):
+        check_policy(BlockPolicy.fixed(32), 16)
+
+
+def test_adaptive_algorithm_name_maps_to_upstream_dflash():
+    assert resolve_algorithm("DFLASH_ADAPTIVE") == ("DFLASH", True)
+    assert resolve_algorithm("dflash_adaptive") == ("DFLASH", True)
+    assert resolve_algorithm("DFLASH") == ("DFLASH", False)
+    assert resolve_algorithm(None) == (None, False)
+
+
+# ---------------------------------------------------------- per-block state
+
+
+def _worker(block: int) -> SimpleNamespace:
+    state = {name: object() for name in BLOCK_STATE_ATTRS}
+    return SimpleNamespace(**{**state, "block_size": block})
+
+
+def test_block_state_cache_swaps_and_restores_the_same_buffers():
+    worker = _worker(16)
+    original = {name: getattr(worker, name) for name in BLOCK_STATE_ATTRS}
+    built = []
+
+    def fresh(b):
+        built.append(b)
+        return {name: (b, name) for name in BLOCK_STATE_ATTRS} | {"block_size": b}
+
+    cache = BlockStateCache(worker, fresh)
+    assert not cache.activate(16)
+    assert cache.activate(4) and worker.block_size == 4 and worker._out_tokens_bufs == (4, "_out_tokens_bufs")
+    assert cache.activate(16)
+    assert {name: getattr(worker, name) for name in BLOCK_STATE_ATTRS} == original  # identical objects back
+    assert cache.activate(4) and worker._draft_block_ids_buf == (4, "_draft_block_ids_buf")
+    assert built == [4]  # each block size built once; buffers of others stay alive
+
+
+def test_block_state_cache_refuses_incomplete_state():
+    cache = BlockStateCache(_worker(16), lambda b: {"block_size": b})
+    with pytest.raises(ValueError, match="lacks"):
+        cache.activate(8)
+
+
+def test_accept_counters_count_only_positions_each_step_verified():
+    counters = AcceptCounters()
+    counters.add_step([3, 0], block_size=4, max_block_size=8)  # positions 1..3 verified twice
+    counters.add_step([7], block_size=8, max_block_size=8)  # positions 1..7 once
+    assert counters.verified_per_position == [3, 3, 3, 1, 1, 1, 1]
+    assert counters.accepted_per_position == [2, 2, 2, 1, 1, 1, 1]
+    assert (counters.rows, counters.drafted, counters.accepted) == (3, 13, 10)
+    assert counters.acceptance_length == pytest.approx((10 + 3) / 3)
+    with pytest.raises(ValueError):
+        counters.add_step([4], block_size=4, max_block_size=8)
+
+
+# ------------------------------------------------------------ plugin hooks
+
+
+def test_rewrite_algorithm_marks_the_run_adaptive(monkeypatch):
+    monkeypatch.delenv(ADAPTIVE_ENV, raising=False)
+    args = SimpleNamespace(speculative_algorithm="DFLASH")
+    plugin.rewrite_algorithm(args)
+    assert args.speculative_algorithm == "DFLASH" and ADAPTIVE_ENV not in os.environ
+    args = SimpleNamespace(speculative_algorithm="DFLASH_ADAPTIVE")
+    assert plugin.rewrite_algorithm(args) is None  # a BEFORE hook keeps the call's arguments
+    assert args.speculative_algorithm == "DFLASH" and os.environ[ADAPTIVE_ENV] == "1"
+
+
+def test_worker_choice_is_upstream_unless_adaptive(monkeypatch):
+    monkeypatch.delenv(ADAPTIVE_ENV, raising=False)
+    upstream = object()
+    dflash = SimpleNamespace(is_dflash=lambda: True)
+    assert plugin.choose_worker(lambda algo, args: upstream, dflash, None) is upstream
+    monkeypatch.setenv(ADAPTIVE_ENV, "1")
+    eagle = SimpleNamespace(is_dflash=lambda: False)
+    assert plugin.choose_worker(lambda algo, args: upstream, eagle, None) is upstream
+
+
+def test_scheduler_rpcs_reach_the_adaptive_worker():
+    class Scheduler:
+        def __init__(self, worker):
+            self.draft_worker = worker
+
+    plugin.add_scheduler_rpcs(Scheduler)
+    received = []
+    adaptive = SimpleNamespace(set_block_policy=received.append)
+    Scheduler(adaptive).dflash_set_policy(policy_json=BlockPolicy((1, 8), (16, 4)).to_json())
+    Scheduler(adaptive).dflash_probe()
+    assert received == [BlockPolicy((1, 8), (16, 4))]
+    with pytest.raises(RuntimeError, match="not running"):
+        Scheduler(SimpleNamespace()).dflash_probe()
+    with pytest.raises(ValueError):
+        Scheduler(adaptive).dflash_set_policy(policy_json="{}")
+
+
+def test_internal_state_reports_policy_and_counters():
+    counters = AcceptCounters()
+    counters.add_step([2], 4, 4)
+    worker = SimpleNamespace(block_policy=BlockPolicy.fixed(4), block_states=SimpleNamespace(active=4),
+                             accept_counters=counters)  # fmt: skip
+    state = {}
+    plugin.report_state(None, SimpleNamespace(scheduler=SimpleNamespace(draft_worker=worker)), state)
+    report = json.loads(json.dumps(state))["dflash_adaptive"]  # msgpack/JSON-native
+    assert report["policy"] == {"min_batch": [1], "block_sizes": [4]} and report["active_block_size"] == 4
+    assert report["accept"]["accepted_per_position"] == [1, 1, 0]
+    plugin.report_state(None, SimpleNamespace(scheduler=SimpleNamespace(draft_worker=None)), empty := {})
+    assert empty == {}
+
+
+# ------------------------------------------------------- argument mapping
+
+
+def test_server_and_sampling_arguments():
+    settings = ServeSettings(target=Path("/m/target"), draft=Path("/m/draft"), max_batch_size=8, device="cuda")
+    args = server_args(settings, 16)
+    assert args["speculative_algorithm"] == "DFLASH_ADAPTIVE" and args["speculative_num_draft_tokens"] == 16
+    assert args["max_running_requests"] == 8 and args["incremental_streaming_output"] is False
+    assert "speculative_algorithm" not in server_args(ServeSettings(target=Path("/m/t"), draft=None), 1)
+
+    request = GenerateRequest("r", (1, 2), 5, SamplingParams(0.7, top_p=0.9, seed=3), (0,), ("\n\n",))
+    assert sampling_params(request) == {
+        "max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [0],
+        "stop": ["\n\n"], "skip_special_tokens": True, "sampling_seed": 3, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    }  # fmt: skip
+
+
+def test_finish_reasons_and_spec_stats():
+    assert finish_reason({"finish_reason": None}) is None
+    assert finish_reason({"finish_reason": {"type": "length", "length": 5}}) == "length"
+    assert finish_reason({"finish_reason": {"type": "stop", "matched": 2}}) == "stop"
+    assert finish_reason({"finish_reason": {"type": "abort", "message": "x"}}) == "abort"
+    stats = spec_stats({"spec_verify_ct": 4, "spec_num_proposed_drafts": 60, "spec_num_correct_drafts": 9})
+    assert (stats.rounds, stats.drafted, stats.accepted, stats.acceptance_length) == (4, 60, 9, 13 / 4)
+    assert spec_stats({}).rounds == 0
+
+
+# ------------------------------------------------ engine on a stand-in runtime
+
+
+class Letters:
+    """Decoder stand-in: token i is chr(ord('a') + i)."""
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+class FakeRuntime:
+    """Streams ``script`` as cumulative chunks like ``sglang.Engine.async_generate``."""
+
+    def __init__(self, script: list[list[int]], final_meta: dict | None = None) -> None:
+        self.script, self.final_meta = script, final_meta or {}
+        self.aborted, self.rpcs, self.calls = [], [], []
+        self.tokenizer_manager = SimpleNamespace(abort_request=lambda rid: self.aborted.append(rid))
+
+    async def async_generate(self, **kwargs):
+        self.calls.append(kwargs)
+
+        async def chunks():
+            for i, ids in enumerate(self.script):
+                last = i == len(self.script) - 1
+                meta = {"id": kwargs["rid"], "prompt_tokens": len(kwargs["input_ids"]), "completion_tokens": len(ids),
+                        "finish_reason": {"type": "length"} if last else None}  # fmt: skip
+                yield {"text": "", "output_ids": list(ids), "meta_info": meta | (self.final_meta if last else {})}
+                await asyncio.sleep(0)
+
+        return chunks()
+
+    def collective_rpc(self, method, **kwargs):
+        self.rpcs.append((method, kwargs))
+
+    def shutdown(self):
+        pass
+
+
+def _engine(runtime, **overrides) -> SGLangEngine:
+    options = dict(max_block_size=16, context_length=256, max_batch_size=2, max_waiting=0) | overrides
+    return SGLangEngine(runtime, Letters(), **options)
+
+
+async def _collect(engine, request, limit=None):
+    deltas = []
+    stream = engine.generate(request)
+    async for delta in stream:
+        deltas.append(delta)
+        if limit and len(deltas) == limit:
+            await stream.aclose()
+            break
+    return deltas
+
+
+def test_cumulative_chunks_become_deltas():
+    runtime = FakeRuntime([[0], [0, 1, 2], [0, 1, 2, 3]], {"spec_verify_ct": 2, "spec_num_correct_drafts": 2})
+    engine = _engine(runtime)
+    deltas = asyncio.run(_collect(engine, GenerateRequest("r1", (5, 6), 4)))
+    assert [d.token_ids for d in deltas] == [(0,), (1, 2), (3,)]
+    assert "".join(d.text for d in deltas) == "abcd"
+    assert [d.finish_reason for d in deltas] == [None, None, "length"]
+    assert deltas[-1].spec.acceptance_length == 2.0 and deltas[-1].prompt_tokens == 2
+    assert runtime.calls[0]["input_ids"] == [5, 6] and runtime.calls[0]["stream"] is True
+    assert runtime.aborted == [] and engine.stats().running == 0
+
+
+def test_a_stop_string_ends_the_request_and_aborts_it_upstream():
+    runtime = FakeRuntime([[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]])
+    deltas = asyncio.run(_collect(_engine(runtime), GenerateRequest("r2", (5,), 4, stop=("c",))))
+    assert "".join(d.text for d in deltas) == "ab" and deltas[-1].finish_reason == "stop"
+    assert runtime.aborted == ["r2"]
+
+
+def test_leaving_early_aborts_and_frees_the_slot():
+    runtime = FakeRuntime([[0], [0, 1], [0, 1, 2]])
+    engine = _engine(runtime)
+    deltas = asyncio.run(_collect(engine, GenerateRequest("r3", (5,), 3), limit=1))
+    assert len(deltas) == 1 and runtime.aborted == ["r3"] and engine.stats().running == 0
+
+
+def test_capacity_and_context_limits():
+    engine = _engine(FakeRuntime([[0]]), max_batch_size=1, context_length=20)
+
+    async def scenario():
+        first = engine.generate(GenerateRequest("a", (1,), 1))
+        await first.__anext__()  # admitted and streaming
+        with pytest.raises(QueueFullError):
+            await engine.generate(GenerateRequest("b", (1,), 1)).__anext__()
+        await first.aclose()
+
+    asyncio.run(scenario())
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        asyncio.run(_collect(engine, GenerateRequest("c", (1,) * 10, 8)))
+
+
+def test_policy_goes_to_every_scheduler_as_json():
+    runtime = FakeRuntime([[0]])
+    engine = _engine(runtime)
+    policy = BlockPolicy((1, 8), (16, 4))
+    engine.set_policy(policy)
+    assert runtime.rpcs == [("dflash_set_policy", {"policy_json": policy.to_json()})]
+    assert engine.policy == policy and engine.stats().block_size == 16
+    with pytest.raises(ValueError):
+        engine.set_policy(BlockPolicy.fixed(32))
+    assert len(runtime.rpcs) == 1
