@@ -67,8 +67,11 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank]
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, temperature: float):
-    """Stream one chat completion and time it."""
+async def one_request(
+    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, temperature: float, penalty: float = 1.0
+):
+    """Stream one chat completion and time it (``penalty``: repetition_penalty,
+    sent only when set, since not every server accepts it)."""
     start = time.perf_counter()
     ttft, last, gaps, tokens, tau = None, start, [], 0, None
     stream = await client.chat.completions.create(
@@ -78,6 +81,7 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_t
         temperature=temperature,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"repetition_penalty": penalty} if penalty != 1.0 else None,
     )
     async for chunk in stream:
         now = time.perf_counter()
@@ -96,21 +100,29 @@ async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_t
 
 
 async def run_level(
-    client: openai.AsyncOpenAI, model: str, prompts: list[str], concurrency: int, max_tokens: int, temperature: float
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+    penalty: float = 1.0,
 ) -> LevelResult:
     """Send every prompt with at most ``concurrency`` requests in flight."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(prompt: str) -> RequestResult:
         async with gate:
-            return await one_request(client, model, prompt, max_tokens, temperature)
+            return await one_request(client, model, prompt, max_tokens, temperature, penalty)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(p) for p in prompts))
     return LevelResult(concurrency, time.perf_counter() - start, list(results))
 
 
-async def direct_level(engine, tokenizer, prompts: list[str], max_tokens: int, temperature: float) -> LevelResult:
+async def direct_level(
+    engine, tokenizer, prompts: list[str], max_tokens: int, temperature: float, penalty: float = 1.0
+) -> LevelResult:
     """The same requests through ``engine.generate`` in-process, one at a time:
     the baseline that shows what HTTP + SSE add at concurrency 1."""
     from service.engine import GenerateRequest
@@ -121,7 +133,8 @@ async def direct_level(engine, tokenizer, prompts: list[str], max_tokens: int, t
     stop = stop_token_ids(tokenizer)
     for i, prompt in enumerate(prompts):
         ids = tuple(user_prompt_ids(tokenizer, [prompt])[0])
-        request = GenerateRequest(f"direct-{i}", ids, max_tokens, SamplingParams(temperature), stop)
+        sampling = SamplingParams(temperature, repetition_penalty=penalty)
+        request = GenerateRequest(f"direct-{i}", ids, max_tokens, sampling, stop)
         start = time.perf_counter()
         ttft, last, gaps, tokens, tau = None, start, [], 0, None
         async for delta in engine.generate(request):
@@ -159,14 +172,18 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
         engine.start()
         try:
             prompts = texts[: args.requests or 4]
-            level = await direct_level(engine, tokenizer, prompts, args.max_tokens, args.temperature)
+            level = await direct_level(
+                engine, tokenizer, prompts, args.max_tokens, args.temperature, args.repetition_penalty
+            )
         finally:
             engine.stop()
         summaries.append({**level.summary(), "mode": "direct engine"})
         print_row(summaries[-1])
     for concurrency in args.concurrency:
         prompts = [texts[i % len(texts)] for i in range(args.requests or max(4, 2 * concurrency))]
-        level = await run_level(client, model, prompts, concurrency, args.max_tokens, args.temperature)
+        level = await run_level(
+            client, model, prompts, concurrency, args.max_tokens, args.temperature, args.repetition_penalty
+        )
         summaries.append({**level.summary(), "mode": "http"})
         print_row(summaries[-1])
     return summaries
@@ -193,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="sent as an extra field when not 1")
     parser.add_argument("--direct-target", type=Path, help="also run the engine in-process (no HTTP) on this target")
     parser.add_argument("--direct-draft", type=Path, help="draft for --direct-target")
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from builders import (
     tiny_target,
 )
 
+from speculative.checkpoint import save_draft
 from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.distill import distill_draft
@@ -74,6 +75,17 @@ def tiny_pipeline(tmp_path_factory):
         root / "target", prompts, root / "data", RegenerateConfig(max_new_tokens=48, batch_size=5), source="test"
     )
     return root, target_summary, meta
+
+
+@pytest.fixture(scope="session")
+def served_pair_dirs(tiny_pipeline, tmp_path_factory):
+    """(target dir, draft dir) on disk for ``dflash-serve`` processes: the tiny
+    pipeline target and a random b4 draft in the official format."""
+    root, _, _ = tiny_pipeline
+    draft_dir = tmp_path_factory.mktemp("served") / "draft"
+    raw = draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
+    save_draft(DFlashDraftModel(DFlashConfig.from_dict(raw)), draft_dir)
+    return root / "target", draft_dir
 
 
 @pytest.fixture(scope="session")

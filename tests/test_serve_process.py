@@ -3,35 +3,18 @@ admitting, finishes the in-flight request, and exits cleanly."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx2
-from builders import draft_config_dict
-
-from speculative.checkpoint import save_draft
-from speculative.config import DFlashConfig
-from speculative.draft import DFlashDraftModel
+from live import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_sigterm_drains_in_flight_requests(tiny_pipeline, tmp_path):
-    root, _, _ = tiny_pipeline
-    draft = DFlashDraftModel(
-        DFlashConfig.from_dict(
-            draft_config_dict(vocab=320, mask_token_id=3, block_size=4, max_position_embeddings=2048)
-        )
-    )
-    save_draft(draft, tmp_path / "draft")
+def test_sigterm_drains_in_flight_requests(served_pair_dirs):
+    target, draft = served_pair_dirs
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "--target", str(root / "target"), "--draft", str(tmp_path / "draft"),
+    cmd = [sys.executable, "-m", "service.cli", "--target", str(target), "--draft", str(draft),
            "--port", str(port), "--served-model-name", "tiny"]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
