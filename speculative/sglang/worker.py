@@ -87,7 +87,9 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         """Queue this step's commit lengths (accepted drafts + 1) for counting
         without a device sync: copied asynchronously, folded once the copy's
         event has completed (a later step), so overlap scheduling is kept."""
-        host = commit_lens.to("cpu", non_blocking=True)
+        # Pinned memory (PyTorch's caching host allocator) makes the copy truly asynchronous.
+        host = torch.empty(commit_lens.shape, dtype=commit_lens.dtype, pin_memory=commit_lens.is_cuda)
+        host.copy_(commit_lens, non_blocking=True)
         event = None
         if commit_lens.is_cuda:
             event = torch.cuda.Event()
