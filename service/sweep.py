@@ -1,0 +1,166 @@
+"""``dflash-sweep``: the adaptive block size against fixed ones under load.
+
+For each mode (``fixed:B``: ``--block-size B --controller false``;
+``adaptive``: the in-process controller) one ``dflash-serve`` process serves
+the same concurrency sweep of ``dflash-load`` requests, after a warm-up pass
+over the same levels (the controller learns while serving, as in production).
+Output: a table of output tokens/s per mode and concurrency with
+adaptive / best fixed per level and adaptive / fixed-b16 averaged over the
+sweep, one JSON line, and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import openai
+
+from service.loadgen import run_level
+from speculative.bench.datasets import humaneval
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One server configuration of the sweep."""
+
+    name: str
+    flags: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str, controller_interval_s: float) -> Mode:
+        if text == "adaptive":
+            return cls(text, ("--controller", "true", "--controller-interval-s", str(controller_interval_s)))
+        kind, _, block = text.partition(":")
+        if kind != "fixed" or not block.isdigit() or int(block) < 1:
+            raise argparse.ArgumentTypeError(f"mode must be 'adaptive' or 'fixed:B', got {text!r}")
+        return cls(text, ("--block-size", block, "--controller", "false"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """``dflash-serve`` for ``mode``, ready to serve."""
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "--target", str(args.target), "--draft", str(args.draft),
+               "--port", str(port), "--max-batch-size", str(args.max_batch_size), *mode.flags]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"dflash-serve ({mode.name}) exited with {process.returncode}")
+        try:
+            if httpx2.get(url + "/ready", timeout=1).status_code == 200:
+                return process, url
+        except httpx2.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise TimeoutError(f"dflash-serve ({mode.name}) did not become ready")
+
+
+async def measure(url: str, args: argparse.Namespace) -> list[dict]:
+    """A warm-up pass, then the measured pass: one summary per concurrency level."""
+    texts = [p.text for p in humaneval()]
+    summaries = []
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+        model = (await client.models.list()).data[0].id
+        for measured in (False, True):
+            for concurrency in args.concurrency:
+                count = args.requests_per_level * concurrency if measured else concurrency
+                prompts = [texts[i % len(texts)] for i in range(max(2, count))]
+                level = await run_level(client, model, prompts, concurrency, args.max_tokens, 0.0,
+                                        args.repetition_penalty)  # fmt: skip
+                if measured:
+                    summaries.append(level.summary())
+    return summaries
+
+
+def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
+    """Adaptive against the best fixed mode per level and against fixed:16."""
+    fixed = [name for name in results if name.startswith("fixed:")]
+    tps = {name: [level["output_tokens_per_s"] for level in summaries] for name, summaries in results.items()}
+    out: dict = {"tokens_per_s": tps, "concurrency": levels}
+    if "adaptive" in tps and fixed:
+        best = [max(tps[name][i] for name in fixed) for i in range(len(levels))]
+        out["adaptive_vs_best_fixed"] = [a / b for a, b in zip(tps["adaptive"], best, strict=True)]
+        if "fixed:16" in tps:
+            ratios = [a / b for a, b in zip(tps["adaptive"], tps["fixed:16"], strict=True)]
+            out["adaptive_vs_fixed16_mean"] = sum(ratios) / len(ratios)
+    return out
+
+
+def plot(comparison: dict, path: Path, title: str) -> None:
+    """Output tokens/s against concurrency, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, values in comparison["tokens_per_s"].items():
+        ax.plot(comparison["concurrency"], values, marker="o", label=name, linewidth=2.5 if name == "adaptive" else 1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(comparison["concurrency"], [str(c) for c in comparison["concurrency"]])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(prog="dflash-sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=Path, default=Path("models/pycoder-12m"))
+    parser.add_argument("--draft", type=Path, default=Path("models/pycoder-12m-dflash-b16"))
+    parser.add_argument("--modes", nargs="+", default=["fixed:1", "fixed:4", "fixed:8", "fixed:16", "adaptive"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--requests-per-level", type=int, default=2, help="measured requests = this x concurrency")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--controller-interval-s", type=float, default=2.0)
+    parser.add_argument("--plot", type=Path, help="write the PNG here")
+    args = parser.parse_args(argv)
+    modes = [Mode.parse(m, args.controller_interval_s) for m in args.modes]
+    results: dict[str, list[dict]] = {}
+    for mode in modes:
+        process, url = start_server(mode, args)
+        try:
+            results[mode.name] = asyncio.run(measure(url, args))
+        finally:
+            process.terminate()
+            process.wait(120)
+        print(mode.name, " ".join(f"{s['output_tokens_per_s']:.1f}" for s in results[mode.name]), flush=True)
+    comparison = compare(results, args.concurrency)
+    print(f"{'concurrency':<12}" + "".join(f"{c:>9}" for c in args.concurrency))
+    for name, values in comparison["tokens_per_s"].items():
+        print(f"{name:<12}" + "".join(f"{v:>9.1f}" for v in values))
+    if "adaptive_vs_best_fixed" in comparison:
+        print(f"{'adapt/best':<12}" + "".join(f"{r:>9.2f}" for r in comparison["adaptive_vs_best_fixed"]))
+    if "adaptive_vs_fixed16_mean" in comparison:
+        print(f"adaptive / fixed:16, mean over the sweep: {comparison['adaptive_vs_fixed16_mean']:.2f}")
+    if args.plot:
+        plot(comparison, args.plot, f"{args.target.name}: fixed vs adaptive block size")
+    print(json.dumps({"comparison": comparison, "levels": results}))
+
+
+if __name__ == "__main__":
+    main()

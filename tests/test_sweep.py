@@ -1,0 +1,38 @@
+"""``dflash-sweep`` end to end on the tiny served pair: one real server per
+mode, the same load for each, a comparison and a plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from service.sweep import Mode, compare, main
+
+
+def test_modes_parse_to_server_flags():
+    assert Mode.parse("fixed:4", 2.0).flags == ("--block-size", "4", "--controller", "false")
+    assert Mode.parse("adaptive", 1.5).flags == ("--controller", "true", "--controller-interval-s", "1.5")
+    with pytest.raises(Exception, match="mode must be"):
+        Mode.parse("fixed:x", 2.0)
+
+
+def test_comparison_ratios():
+    tps = {"fixed:1": [10, 40], "fixed:16": [20, 10], "adaptive": [19, 38]}
+    results = {name: [{"output_tokens_per_s": v} for v in values] for name, values in tps.items()}
+    comparison = compare(results, [1, 8])
+    assert comparison["adaptive_vs_best_fixed"] == pytest.approx([0.95, 0.95])
+    assert comparison["adaptive_vs_fixed16_mean"] == pytest.approx((19 / 20 + 38 / 10) / 2)
+
+
+def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
+    target, draft = served_pair_dirs
+    main(["--target", str(target), "--draft", str(draft), "--modes", "fixed:1", "fixed:4", "adaptive",
+          "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "6",
+          "--plot", str(tmp_path / "sweep.png")])  # fmt: skip
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["levels"]) == {"fixed:1", "fixed:4", "adaptive"}
+    assert all(len(levels) == 2 and all(level["output_tokens_per_s"] > 0 for level in levels)
+               for levels in summary["levels"].values())  # fmt: skip
+    assert len(summary["comparison"]["adaptive_vs_best_fixed"]) == 2
+    assert (tmp_path / "sweep.png").stat().st_size > 5_000
