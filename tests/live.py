@@ -80,7 +80,7 @@ class PrometheusServer:
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: _answers(self.url + "/-/ready"))
+        wait_until(lambda: answers(self.url + "/-/ready"))
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -112,7 +112,7 @@ def wait_until(predicate, seconds: float = 30.0) -> None:
     raise TimeoutError("condition not reached")
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
     try:
         return httpx2.get(url, timeout=1).status_code == 200
     except httpx2.TransportError:

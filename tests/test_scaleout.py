@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx2
 import openai
 import pytest
-from live import PrometheusServer, free_port, wait_until
+from live import PrometheusServer, answers, free_port, wait_until
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,13 +31,6 @@ pytestmark = pytest.mark.skipif(
     not SMG.exists() or shutil.which("prometheus") is None, reason="needs smg (extra `deploy`) and prometheus"
 )
 REQUESTS, CONCURRENCY, MAX_TOKENS = 24, 4, 40
-
-
-def answers(url: str) -> bool:
-    try:
-        return httpx2.get(url, timeout=1).status_code == 200
-    except httpx2.TransportError:
-        return False
 
 
 def start_replica(target: Path, draft: Path) -> tuple[subprocess.Popen, str]:
