@@ -5,6 +5,7 @@ in-flight requests, then exits."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 import uvicorn
@@ -28,7 +29,9 @@ def build_engine(settings: ServeSettings, metrics: Metrics) -> tuple[Engine, obj
     return engine_class(settings.engine).from_settings(settings, tokenizer, metrics), tokenizer
 
 
-def in_process_controller(engine: Engine, metrics: Metrics, settings: ServeSettings) -> ControllerLoop | None:
+def in_process_controller(
+    engine: Engine, metrics: Metrics, settings: ServeSettings, decision: ControllerSettings | None = None
+) -> ControllerLoop | None:
     """The controller reading this replica's own counters and setting its engine's
     policy directly (none without a draft: there is nothing to adapt)."""
     if engine.max_block_size == 1:
@@ -36,10 +39,11 @@ def in_process_controller(engine: Engine, metrics: Metrics, settings: ServeSetti
     return ControllerLoop(
         observe=lambda now: observation_from_text([generate_latest(metrics.registry).decode()], now),
         push=engine.set_policy,
-        settings=ControllerSettings(max_block_size=engine.max_block_size),
+        settings=decision or ControllerSettings(max_block_size=engine.max_block_size),
         initial_block_size=engine.policy.block_size(1),
         metrics=ControllerMetrics(metrics.registry),
         interval_s=settings.controller_interval_s,
+        counters_from_zero=True,
     )
 
 
@@ -49,9 +53,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     engine, tokenizer = build_engine(settings, metrics)
+    decision = ControllerSettings(max_block_size=engine.max_block_size)
     if settings.profile_startup and isinstance(engine, NativeEngine) and engine.max_block_size > 1:
-        profile_step_times(engine.session, metrics.observe_step_time, batch_sizes=(1, 2, 4, 8, settings.max_batch_size))
-    controller = in_process_controller(engine, metrics, settings) if settings.controller else None
+        # As many steps per cell as the controller needs to trust a step time.
+        batch_sizes = sorted({b for b in (1, 2, 4, 8, 16) if b < settings.max_batch_size} | {settings.max_batch_size})
+        profile_step_times(engine.session, metrics.observe_step_time, batch_sizes=batch_sizes,
+                           steps=math.ceil(decision.min_steps))  # fmt: skip
+    controller = in_process_controller(engine, metrics, settings, decision) if settings.controller else None
     app = build_app(settings, engine, tokenizer, metrics, controller)
     uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=int(settings.drain_timeout_s))
 

@@ -1,9 +1,10 @@
 """``dflash-sweep``: the adaptive block size against fixed ones under load.
 
 For each mode (``fixed:B``: ``--block-size B --controller false``;
-``adaptive``: the in-process controller) one ``dflash-serve`` process serves
-the same concurrency sweep of ``dflash-load`` requests, after a warm-up pass
-over the same levels (the controller learns while serving, as in production).
+``adaptive``: the in-process controller, seeded by the start-up profile) one
+``dflash-serve`` process serves the same concurrency sweep of ``dflash-load``
+requests, after a warm-up pass over the same levels (the controller learns
+while serving, as in production; every mode gets the same warm-up).
 Output: a table of output tokens/s per mode and concurrency with
 adaptive / best fixed per level and adaptive / fixed-b16 averaged over the
 sweep, one JSON line, and a PNG plot.
@@ -38,7 +39,8 @@ class Mode:
     @classmethod
     def parse(cls, text: str, controller_interval_s: float) -> Mode:
         if text == "adaptive":
-            return cls(text, ("--controller", "true", "--controller-interval-s", str(controller_interval_s)))
+            interval = str(controller_interval_s)
+            return cls(text, ("--controller", "true", "--controller-interval-s", interval, "--profile-startup", "true"))
         kind, _, block = text.partition(":")
         if kind != "fixed" or not block.isdigit() or int(block) < 1:
             raise argparse.ArgumentTypeError(f"mode must be 'adaptive' or 'fixed:B', got {text!r}")
@@ -80,7 +82,7 @@ async def measure(url: str, args: argparse.Namespace) -> list[dict]:
         model = (await client.models.list()).data[0].id
         for measured in (False, True):
             for concurrency in args.concurrency:
-                count = args.requests_per_level * concurrency if measured else concurrency
+                count = (args.requests_per_level if measured else args.warmup_requests_per_level) * concurrency
                 prompts = [texts[i % len(texts)] for i in range(max(2, count))]
                 level = await run_level(client, model, prompts, concurrency, args.max_tokens, 0.0,
                                         args.repetition_penalty)  # fmt: skip
@@ -133,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["fixed:1", "fixed:4", "fixed:8", "fixed:16", "adaptive"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests-per-level", type=int, default=2, help="measured requests = this x concurrency")
+    parser.add_argument(
+        "--warmup-requests-per-level", type=int, default=2, help="warm-up requests = this x concurrency"
+    )
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)

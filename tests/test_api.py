@@ -258,6 +258,7 @@ def test_in_process_controller_runs_and_exports_its_decisions(model):
     live, engine = make_server(model)
     metrics = live.server.config.app.state.metrics
     loop = in_process_controller(engine, metrics, ServeSettings(target=root / "target", draft=None))
+    assert loop.state.estimates.baseline is not None  # its counters start with it: the first scrape counts
     with live as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         for _ in range(3):

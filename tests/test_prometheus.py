@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from dashboards.render import panels, promql, render
 from service.controller.cli import push_to_replicas
-from service.controller.decide import ControllerSettings
+from service.controller.decide import ControllerSettings, ControllerState
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.source import (
     SourceError,
@@ -122,10 +122,10 @@ def hold_concurrency(url: str, prompts: list[list[int]], concurrency: int, secon
     return len(done)
 
 
-def chosen_block(loop: ControllerLoop, bucket: str) -> int:
+def chosen_block(state: ControllerState, bucket: str) -> int:
     """The bucket's decided block size (not a neighbour being explored)."""
-    trial = loop.state.exploring.get(bucket)
-    return trial[1] if trial is not None else loop.state.table[bucket]
+    trial = state.exploring.get(bucket)
+    return trial[1] if trial is not None else state.table[bucket]
 
 
 def test_policy_follows_concurrency_through_prometheus(heavy_pair, tmp_path):
@@ -143,13 +143,14 @@ def test_policy_follows_concurrency_through_prometheus(heavy_pair, tmp_path):
         loop.start()
         try:
             assert hold_concurrency(url, prompts, 1, ALONE_S) > 0
-            alone, crowded_before = chosen_block(loop, "1"), loop.state.table["16-31"]
+            snapshot = loop.state  # each tick replaces the state: one consistent view
+            alone, crowded_before = chosen_block(snapshot, "1"), snapshot.table["16-31"]
             assert hold_concurrency(url, prompts, 16, CROWDED_S) >= 16
-            crowded = chosen_block(loop, "16-31")
+            crowded = chosen_block(loop.state, "16-31")
         finally:
             loop.stop()
     assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 0
-    assert crowded_before == 16, "no traffic at 16 yet: the crowded bucket kept the initial block"
+    assert crowded_before == alone, "no traffic at 16 yet: the crowded bucket starts from the alone bucket's block"
     assert alone >= 8 and crowded < alone, (alone, crowded, loop.state.table)
     assert engine.policy == loop.pushed  # what the controller decided is what the replica runs
 

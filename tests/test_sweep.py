@@ -12,7 +12,8 @@ from service.sweep import Mode, compare, main
 
 def test_modes_parse_to_server_flags():
     assert Mode.parse("fixed:4", 2.0).flags == ("--block-size", "4", "--controller", "false")
-    assert Mode.parse("adaptive", 1.5).flags == ("--controller", "true", "--controller-interval-s", "1.5")
+    adaptive = ("--controller", "true", "--controller-interval-s", "1.5", "--profile-startup", "true")
+    assert Mode.parse("adaptive", 1.5).flags == adaptive
     with pytest.raises(Exception, match="mode must be"):
         Mode.parse("fixed:x", 2.0)
 

@@ -6,14 +6,23 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
 
 - E[tau(b)] = 1 + sum_{k<b} S_k from the survival per draft position;
 - t(b): the measured mean step time of (bucket, b) where there are enough
-  steps, otherwise a line t(b) = t_1 + c * (b - 1) fitted to the bucket's
-  measured cells (one cell: the slope relative to t at that cell is borrowed
-  from other buckets, or ``prior_slope``);
+  steps; otherwise, for drafting blocks (b >= 2), a line t(b) = a + c * (b - 1)
+  fitted to the bucket's measured drafting cells (one cell: the slope relative
+  to a is borrowed from other buckets, or ``prior_slope``). Plain decoding
+  (b = 1) runs no draft forward, so it is off that line: unmeasured, it is
+  a * the ratio t(1) / a borrowed from other buckets (or ``prior_plain_ratio``);
+  a bucket with only b = 1 measured puts its line at t(1) / that ratio;
 - b = 1 (plain decoding) is always a candidate; b never exceeds the draft's block;
 - hysteresis: the table changes only for a gain above ``switch_margin``;
-- exploration: a bucket with traffic whose neighbouring candidates have no or
-  stale measurements runs one of them until it has ``min_steps`` steps, so the
-  estimates never freeze.
+- exploration: a bucket with traffic whose neighbouring candidates, or b = 1,
+  have no or stale measurements runs one of them until it has ``min_steps``
+  steps, so the estimates never freeze; only candidates estimated within
+  ``explore_margin`` of the chosen block are tried (a trial lasts at least one
+  controller interval, and re-measuring a clearly worse block costs more
+  throughput than it can reveal);
+- a bucket without measurements takes the block of the nearest bucket that has
+  them (batch sizes never seen start from the closest evidence, not from the
+  draft's block).
 """
 
 from __future__ import annotations
@@ -21,7 +30,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from service.controller.estimates import Estimates, Observation, expected_acceptance_length
+from service.controller.estimates import (
+    Estimates,
+    Observation,
+    expected_acceptance_length,
+    survival_upper_bound,
+)
 from speculative.policy import BlockPolicy
 
 BUCKETS = ("1", "2-3", "4-7", "8-15", "16-31", "32-63", "64+")
@@ -43,9 +57,13 @@ class ControllerSettings:
     min_verified: verified drafts a position needs before its survival is trusted.
     switch_margin: relative goodput gain required to change a bucket's block size.
     explore_after_s: a neighbouring candidate measured longer ago than this is re-measured.
+    explore_margin: only candidates whose estimated goodput is at least (1 - this)
+        times the chosen block's are explored.
     prior_slope: assumed extra step time per extra block token, relative to the
-        step time at the measured block size, when a bucket has one measured cell
-        and no other bucket has two (0.05: a 16-token block costs 1.75x a 1-token step).
+        drafting line's intercept a, when a bucket has one measured drafting cell
+        and no other bucket has two (0.05: a 16-token block costs 1.75x a 2-token one).
+    prior_plain_ratio: assumed plain-decoding step time t(1) relative to a, when
+        no bucket has measured both (0.75: the draft forward adds a third).
     """
 
     candidates: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 12, 16)
@@ -55,13 +73,17 @@ class ControllerSettings:
     min_verified: float = 50.0
     switch_margin: float = 0.05
     explore_after_s: float = 120.0
+    explore_margin: float = 0.2
     prior_slope: float = 0.05
+    prior_plain_ratio: float = 0.75
 
     def __post_init__(self) -> None:
         if 1 not in self.candidates or min(self.candidates) < 1:
             raise ValueError("candidates must include 1 (plain decoding) and be >= 1")
         if self.half_life_s <= 0 or self.min_steps <= 0 or self.switch_margin < 0:
             raise ValueError("half_life_s and min_steps must be > 0, switch_margin >= 0")
+        if self.prior_slope < 0 or self.prior_plain_ratio <= 0 or not 0 <= self.explore_margin <= 1:
+            raise ValueError("prior_slope must be >= 0, prior_plain_ratio > 0, explore_margin in [0, 1]")
 
     @property
     def allowed(self) -> tuple[int, ...]:
@@ -98,12 +120,13 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     state.estimates.update(obs, settings.half_life_s)
     allowed = settings.allowed
     survival = state.estimates.survival_curve(max(allowed) - 1, settings.min_verified)
-    slopes = _relative_slopes(state, settings)
+    reachable = survival_upper_bound(state.estimates, max(allowed) - 1, settings.min_verified)
+    shape = _cost_shape(state, settings)
     goodput: dict[str, dict[int, float]] = {}
     reasons: dict[str, str] = {}
     for bucket in BUCKETS:
         current = min(state.table[bucket], max(allowed))
-        times = _step_times(state, settings, bucket, slopes)
+        times = _step_times(state, settings, bucket, shape)
         if not times:
             state.table[bucket], reasons[bucket] = current, "no measurements"
             continue
@@ -115,11 +138,13 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         state.exploring.pop(bucket, None)
         back_to = trial[1] if trial is not None else current
         state.table[bucket], reasons[bucket] = _choose(goodput[bucket], back_to, settings)
-        neighbour = _stale_neighbour(state, settings, bucket, state.table[bucket], obs.time)
-        if neighbour is not None:
-            state.exploring[bucket] = (neighbour, state.table[bucket], obs.time)
-            reasons[bucket] += f"; exploring b={neighbour}"
-            state.table[bucket] = neighbour
+        best_case = {b: expected_acceptance_length(reachable, b) / t for b, t in times.items()}
+        trial_b = _stale_candidate(state, settings, bucket, goodput[bucket], best_case, obs.time)
+        if trial_b is not None:
+            state.exploring[bucket] = (trial_b, state.table[bucket], obs.time)
+            reasons[bucket] += f"; exploring b={trial_b}"
+            state.table[bucket] = trial_b
+    _seed_unmeasured(state, reasons, goodput)
     policy = BlockPolicy(tuple(bucket_min_batch(b) for b in BUCKETS), tuple(state.table[b] for b in BUCKETS))
     return Decision(policy, dict(state.table), goodput, reasons), state
 
@@ -151,34 +176,55 @@ def _fit(points: dict[int, float]) -> tuple[float, float]:
     return mean_y - c * mean_x, c
 
 
-def _relative_slopes(state: ControllerState, settings: ControllerSettings) -> list[float]:
-    """c / t(1) of every bucket with at least two measured cells."""
-    slopes = []
+@dataclass(frozen=True)
+class _CostShape:
+    """How step time grows with b, shared by buckets that lack the data: the
+    drafting line's slope c / a and plain decoding's t(1) / a."""
+
+    slope: float
+    plain_ratio: float
+
+
+def _median(values: list[float], default: float) -> float:
+    return sorted(values)[len(values) // 2] if values else default
+
+
+def _cost_shape(state: ControllerState, settings: ControllerSettings) -> _CostShape:
+    """Medians over buckets with at least two measured drafting cells (else the priors)."""
+    slopes, ratios = [], []
     for bucket in BUCKETS:
         points = _measured(state, settings, bucket)
-        if len(points) >= 2:
-            a, c = _fit(points)
+        drafting = {b: t for b, t in points.items() if b > 1}
+        if len(drafting) >= 2:
+            a, c = _fit(drafting)
             if a > 0:
                 slopes.append(max(0.0, c / a))
-    return slopes
+                if 1 in points:
+                    ratios.append(points[1] / a)
+    return _CostShape(_median(slopes, settings.prior_slope), _median(ratios, settings.prior_plain_ratio))
 
 
 def _step_times(
-    state: ControllerState, settings: ControllerSettings, bucket: str, slopes: list[float]
+    state: ControllerState, settings: ControllerSettings, bucket: str, shape: _CostShape
 ) -> dict[int, float]:
     """Estimated step time for every allowed b (measured where trusted)."""
     points = _measured(state, settings, bucket)
     if not points:
         return {}
-    if len(points) >= 2:
-        a, c = _fit(points)
+    drafting = {b: t for b, t in points.items() if b > 1}
+    if len(drafting) >= 2:
+        a, c = _fit(drafting)
+    elif drafting:
+        ((b0, t0),) = drafting.items()
+        a = t0 / (1 + shape.slope * (b0 - 1))
+        c = a * shape.slope
     else:
-        ((b0, t0),) = points.items()
-        relative = sorted(slopes)[len(slopes) // 2] if slopes else settings.prior_slope
-        a = t0 / (1 + relative * (b0 - 1))
-        c = a * relative
+        a = points[1] / shape.plain_ratio
+        c = a * shape.slope
     floor = min(points.values()) * 0.5
-    return {b: points.get(b, max(floor, a + c * (b - 1))) for b in settings.allowed}
+    times = {b: max(floor, a + c * (b - 1)) for b in settings.allowed}
+    times[1] = max(floor, a * shape.plain_ratio)
+    return {**times, **points}
 
 
 def _trial_done(
@@ -190,24 +236,50 @@ def _trial_done(
     return measured or now - since > settings.explore_after_s
 
 
-def _stale_neighbour(
-    state: ControllerState, settings: ControllerSettings, bucket: str, chosen: int, now: float
+def _stale_candidate(
+    state: ControllerState,
+    settings: ControllerSettings,
+    bucket: str,
+    goodput: dict[int, float],
+    best_case: dict[int, float],
+    now: float,
 ) -> int | None:
-    """An adjacent candidate with no or old data, if the bucket has live traffic."""
+    """An adjacent candidate, or b = 1, with no or old data whose best-case
+    goodput (unmeasured draft positions as good as the last measured one) is
+    within ``explore_margin`` of the chosen block's estimate, if the bucket has
+    live traffic."""
+    chosen = state.table[bucket]
     cells = state.estimates.step_time
     live = cells.get((bucket, chosen))
     if live is None or now - live.last_update > settings.explore_after_s:
         return None
     allowed = settings.allowed
     i = allowed.index(chosen)
-    neighbours = [allowed[j] for j in (i - 1, i + 1) if 0 <= j < len(allowed)]
+    candidates = {allowed[j] for j in (i - 1, i + 1) if 0 <= j < len(allowed)} | {1}
     stale = [
         b
-        for b in neighbours
-        if (bucket, b) not in cells
-        or cells[(bucket, b)].samples < settings.min_steps
-        or now - cells[(bucket, b)].last_update > settings.explore_after_s
+        for b in sorted(candidates - {chosen})
+        if best_case[b] >= (1 - settings.explore_margin) * goodput[chosen]
+        and (
+            (bucket, b) not in cells
+            or cells[(bucket, b)].samples < settings.min_steps
+            or now - cells[(bucket, b)].last_update > settings.explore_after_s
+        )
     ]
     if not stale:
         return None
     return min(stale, key=lambda b: cells[(bucket, b)].last_update if (bucket, b) in cells else float("-inf"))
+
+
+def _seed_unmeasured(state: ControllerState, reasons: dict[str, str], goodput: dict[str, dict[int, float]]) -> None:
+    """Buckets without measurements take the block of the nearest measured bucket
+    (ties: the smaller batch size; a bucket mid-trial lends the block it returns to)."""
+    measured = [i for i, bucket in enumerate(BUCKETS) if bucket in goodput]
+    if not measured:
+        return
+    for i, bucket in enumerate(BUCKETS):
+        if bucket not in goodput:
+            source = BUCKETS[min(measured, key=lambda j: (abs(j - i), j))]
+            trial = state.exploring.get(source)
+            state.table[bucket] = trial[1] if trial is not None else state.table[source]
+            reasons[bucket] = f"no measurements: b={state.table[bucket]} from bucket {source}"

@@ -89,6 +89,19 @@ class Estimates:
         return curve
 
 
+def survival_upper_bound(estimates: Estimates, max_position: int, min_verified: float) -> list[float]:
+    """S_1..S_max where measured; an unmeasured position is at most the survival
+    before it (1.0 before any measurement): what a block could reach, for
+    deciding whether trying it is worth its cost."""
+    bound, last = [], 1.0
+    for k in range(1, max_position + 1):
+        d = estimates.survival.get(k)
+        if d is not None and d.samples >= min_verified and d.count > 0:
+            last = min(last, min(1.0, max(0.0, d.mean)))
+        bound.append(last)
+    return bound
+
+
 def expected_acceptance_length(survival: list[float], block_size: int) -> float:
     """E[tau(b)] = 1 + sum_{k<b} S_k: the bonus token plus each surviving draft."""
     return 1.0 + sum(survival[: block_size - 1])

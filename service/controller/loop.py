@@ -47,7 +47,11 @@ class ControllerMetrics:
 class ControllerLoop:
     """Runs ``decide`` on a thread (or by ``tick`` in tests). The policy is
     pushed when it changes and, with ``repush_s``, again once the last push is
-    that old (replicas that restarted or were added get it too)."""
+    that old (replicas that restarted or were added get it too).
+    ``counters_from_zero``: the observed counters started with this controller
+    (in-process), so everything in the first observation counts, e.g. the
+    start-up profile; otherwise (a replica's history of unknown age) the first
+    observation is only the baseline."""
 
     def __init__(
         self,
@@ -59,10 +63,13 @@ class ControllerLoop:
         *,
         interval_s: float = 10.0,
         repush_s: float | None = None,
+        counters_from_zero: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.observe, self.push, self.settings, self.metrics = observe, push, settings, metrics
         self.state = ControllerState.initial(min(initial_block_size, settings.max_block_size))
+        if counters_from_zero:
+            self.state.estimates.baseline = Observation(clock(), {}, {}, {})
         self.interval_s, self.repush_s, self.clock = interval_s, repush_s, clock
         self.pushed: BlockPolicy | None = None
         self._pushed_at = float("-inf")
