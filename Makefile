@@ -62,7 +62,8 @@ SGLANG_ENV := build/sglang-cpu
 sglang-check:
 	tests/sglang_env/make_env.sh $(SGLANG_ENV)
 	cd $(SGLANG_ENV)/proj && PYTHONPATH=$(CURDIR)/tests/sglang_env/stubs $(CURDIR)/$(SGLANG_ENV)/venv/bin/python \
-		-m pytest -q -p no:cacheprovider --noconftest --rootdir=. $(CURDIR)/tests/test_sglang_install.py
+		-m pytest -q -p no:cacheprovider --noconftest --rootdir=. $(CURDIR)/tests/test_sglang_install.py \
+		$(CURDIR)/tests/test_sglang_cpu_engine.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache *.egg-info

@@ -4,6 +4,7 @@ from one pydantic-settings model (flags are generated from it)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +34,9 @@ class ServeSettings(BaseSettings):
     controller: bool = Field(default=True, description="adapt the block size to load in-process")
     controller_interval_s: float = Field(default=10.0, gt=0, description="seconds between controller decisions")
     profile_startup: bool = Field(default=False, description="time a few steps per batch/block size before serving")
+    sglang_args: dict[str, Any] = Field(
+        default_factory=dict, description="extra sglang.Engine arguments (--engine sglang), JSON: '{\"tp_size\": 2}'"
+    )
 
     @property
     def model_name(self) -> str:

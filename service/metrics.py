@@ -75,10 +75,18 @@ class Metrics:
 
     def observe_step(self, stats: RoundStats, seconds: float) -> None:
         """Account one engine step (called on the scheduler thread)."""
+        self.observe_steps(stats, seconds, 1)
+
+    def observe_steps(self, stats: RoundStats, seconds: float, steps: int) -> None:
+        """Account ``steps`` steps of one batch size and block size, summed in
+        ``stats`` (per-position counts) and ``seconds`` (engines that report
+        aggregates, e.g. SGLang's schedulers; each step is observed at the mean
+        time, so the histogram's sum and count are exact)."""
         b = str(stats.block_size)
-        self.verify_steps.labels(b).inc()
-        self.verify_rows.labels(b).inc(stats.batch_size)
-        self.observe_step_time(stats, seconds)
+        self.verify_steps.labels(b).inc(steps)
+        self.verify_rows.labels(b).inc(stats.batch_size * steps)
+        for _ in range(steps):
+            self.observe_step_time(stats, seconds / steps)
         self.block_size.set(stats.block_size)
         if stats.block_size > 1:
             self.draft_tokens.labels(b).inc(sum(stats.verified_per_position))

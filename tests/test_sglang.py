@@ -15,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from service.config import ServeSettings
+from service.controller.source import observation_from_text
 from service.engine import BlockPolicy, GenerateRequest, InvalidRequestError, QueueFullError
 from service.engine.sglang import SGLangEngine, finish_reason, sampling_params, server_args, spec_stats
+from service.metrics import Metrics
 from speculative.sampling import SamplingParams
 from speculative.sglang import plugin
 from speculative.sglang.logic import (
@@ -24,6 +26,8 @@ from speculative.sglang.logic import (
     BLOCK_STATE_ATTRS,
     AcceptCounters,
     BlockStateCache,
+    StepCell,
+    StepCounters,
     check_policy,
     resolve_algorithm,
     step_block_size,
@@ -92,6 +96,27 @@ def test_block_state_cache_refuses_incomplete_state():
         cache.activate(8)
 
 
+def test_step_counters_per_batch_and_block_size():
+    counters = StepCounters()
+    counters.add_step([3, 0], block_size=4, seconds=0.02)
+    counters.add_step([1, 1], block_size=4, seconds=0.04)
+    counters.add_step([5], block_size=8, seconds=0.01)
+    assert counters.cells[(2, 4)] == StepCell(2, pytest.approx(0.06), [3, 1, 1])
+    assert counters.cells[(1, 8)] == StepCell(1, 0.01, [1, 1, 1, 1, 1, 0, 0])
+    with pytest.raises(ValueError):
+        counters.add_step([4], block_size=4, seconds=0.01)
+    # Two data-parallel schedulers sum; a later report minus an earlier one is what is new.
+    report = json.loads(json.dumps(counters.to_report()))
+    doubled = StepCounters.from_reports([report, report])
+    assert doubled.cells[(2, 4)] == StepCell(4, pytest.approx(0.12), [6, 2, 2])
+    assert doubled.since(counters).cells == {(2, 4): StepCell(2, pytest.approx(0.06), [3, 1, 1]),
+                                             (1, 8): StepCell(1, 0.01, [1, 1, 1, 1, 1, 0, 0])}  # fmt: skip
+    assert counters.since(counters).cells == {}
+    restarted = StepCounters()
+    restarted.add_step([0], block_size=8, seconds=0.03)
+    assert restarted.since(doubled).cells == {(1, 8): StepCell(1, 0.03, [0] * 7)}
+
+
 def test_accept_counters_count_only_positions_each_step_verified():
     counters = AcceptCounters()
     counters.add_step([3, 0], block_size=4, max_block_size=8)  # positions 1..3 verified twice
@@ -145,15 +170,17 @@ def test_scheduler_rpcs_reach_the_adaptive_worker():
 
 
 def test_internal_state_reports_policy_and_counters():
-    counters = AcceptCounters()
+    counters, steps = AcceptCounters(), StepCounters()
     counters.add_step([2], 4, 4)
+    steps.add_step([2], 4, 0.5)
     worker = SimpleNamespace(block_policy=BlockPolicy.fixed(4), block_states=SimpleNamespace(active=4),
-                             accept_counters=counters)  # fmt: skip
+                             accept_counters=counters, step_counters=steps)  # fmt: skip
     state = {}
     plugin.report_state(None, SimpleNamespace(scheduler=SimpleNamespace(draft_worker=worker)), state)
     report = json.loads(json.dumps(state))["dflash_adaptive"]  # msgpack/JSON-native
     assert report["policy"] == {"min_batch": [1], "block_sizes": [4]} and report["active_block_size"] == 4
     assert report["accept"]["accepted_per_position"] == [1, 1, 0]
+    assert StepCounters.from_reports([report["steps"]]) == steps
     plugin.report_state(None, SimpleNamespace(scheduler=SimpleNamespace(draft_worker=None)), empty := {})
     assert empty == {}
 
@@ -167,6 +194,10 @@ def test_server_and_sampling_arguments():
     assert args["speculative_algorithm"] == "DFLASH_ADAPTIVE" and args["speculative_num_draft_tokens"] == 16
     assert args["max_running_requests"] == 8 and args["incremental_streaming_output"] is False
     assert "speculative_algorithm" not in server_args(ServeSettings(target=Path("/m/t"), draft=None), 1)
+    flags = ["--draft", "/m/d", "--sglang-args", '{"tp_size": 2, "max_running_requests": 4}']
+    extra = ServeSettings(_cli_parse_args=flags, _cli_kebab_case=True)
+    args = server_args(extra, 16)
+    assert args["tp_size"] == 2 and args["max_running_requests"] == 4 and args["speculative_num_draft_tokens"] == 16
 
     request = GenerateRequest("r", (1, 2), 5, SamplingParams(0.7, top_p=0.9, seed=3), (0,), ("\n\n",))
     assert sampling_params(request) == {
@@ -202,7 +233,13 @@ class FakeRuntime:
     def __init__(self, script: list[list[int]], final_meta: dict | None = None) -> None:
         self.script, self.final_meta = script, final_meta or {}
         self.aborted, self.rpcs, self.calls = [], [], []
-        self.tokenizer_manager = SimpleNamespace(abort_request=lambda rid: self.aborted.append(rid))
+        self.states: list[dict] = [{}]  # get_internal_state(): one dict per data-parallel scheduler
+
+        async def internal_state():
+            return self.states
+
+        self.tokenizer_manager = SimpleNamespace(abort_request=lambda rid: self.aborted.append(rid),
+                                                 get_internal_state=internal_state)  # fmt: skip
 
     async def async_generate(self, **kwargs):
         self.calls.append(kwargs)
@@ -291,3 +328,38 @@ def test_policy_goes_to_every_scheduler_as_json():
     with pytest.raises(ValueError):
         engine.set_policy(BlockPolicy.fixed(32))
     assert len(runtime.rpcs) == 1
+
+
+def test_scheduler_step_counters_feed_the_metrics_the_controller_reads():
+    runtime, metrics = FakeRuntime([[1]]), Metrics()
+    engine = _engine(runtime, metrics=metrics, poll_interval_s=0.01)
+    asyncio.run(engine.poll_steps())  # a plain SGLang run reports nothing of ours
+    rank = StepCounters()
+    rank.add_step([3, 1], block_size=4, seconds=0.02)
+    runtime.states = [{"dflash_adaptive": {"steps": rank.to_report()}}] * 2  # two data-parallel schedulers
+    asyncio.run(engine.poll_steps())
+    value = metrics.registry.get_sample_value
+    cell = {"block_size": "4", "batch_bucket": "2-3"}
+    assert value("dflash_verify_steps_total", {"block_size": "4"}) == 2
+    assert value("dflash_verify_rows_total", {"block_size": "4"}) == 4
+    assert value("dflash_step_seconds_count", cell) == 2 and value("dflash_step_seconds_sum", cell) == pytest.approx(
+        0.04
+    )
+    accepted = [value("dflash_accepted_tokens_per_position_total", {"position": str(k)}) for k in (1, 2, 3)]
+    verified = [value("dflash_verified_tokens_per_position_total", {"position": str(k)}) for k in (1, 2, 3)]
+    assert accepted == [4, 2, 2] and verified == [4, 4, 4]
+    rank.add_step([0, 0], block_size=4, seconds=0.01)
+    runtime.states = [{"dflash_adaptive": {"steps": rank.to_report()}}] * 2
+
+    async def serve_a_while():  # the poller runs on the serving loop from start() until stop()
+        engine.start()
+        await asyncio.sleep(0.1)
+        engine.stop()
+        await asyncio.sleep(0)
+
+    asyncio.run(serve_a_while())
+    assert engine._poller.cancelled()
+    assert value("dflash_step_seconds_count", cell) == 4  # only what was new
+    observation = observation_from_text([metrics.render(0, 0).decode()], now=0.0)
+    assert observation.step_seconds[("2-3", 4)] == (pytest.approx(0.06), 4)
+    assert observation.verified[1] == 8 and observation.accepted[1] == 4

@@ -21,6 +21,7 @@ import inspect
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -168,3 +169,18 @@ def test_e_upstream_helpers_and_fields():
     assert callable(getattr(DFlashDraftModel, "set_block_size", None))
     fields = getattr(GenerationBatchResult, "__dataclass_fields__", {})
     assert {"accept_lens", "speculative_num_draft_tokens"} <= set(fields)
+
+
+def test_e_worker_counts_steps_and_their_time():
+    import torch
+
+    from speculative.sglang.logic import AcceptCounters, StepCounters
+    from speculative.sglang.worker import AdaptiveDFlashWorker, _StepClock
+
+    worker = SimpleNamespace(_pending=[], accept_counters=AcceptCounters(), step_counters=StepCounters(),
+                             trained_block_size=8)  # fmt: skip
+    clock = _StepClock.start("cpu")
+    AdaptiveDFlashWorker._record_step(worker, torch.tensor([4, 1]), 4, clock)  # commit lengths: drafts + 1
+    assert not worker._pending and worker.accept_counters.rows == 2
+    cell = worker.step_counters.cells[(2, 4)]
+    assert cell.steps == 1 and cell.accepted_per_position == [1, 1, 1] and 0 < cell.seconds < 1

@@ -8,14 +8,17 @@ each becomes a ``Delta`` of the new ids, detokenised by the same ``TextStream``
 as the native engine (same text, same stop-string handling). Leaving the
 iteration early aborts the request in SGLang.
 
-Not yet mapped (see docs/sglang.md): per-step metrics (step time per batch
-bucket and b, per-position acceptance) from the schedulers into
-``service.metrics``; until then the in-process controller has no step-time
-data on this engine and keeps its initial policy.
+Step metrics: the plugin's workers count steps, device seconds and per-position
+acceptance per (batch size, b) in every scheduler; the engine reads them through
+``get_internal_state`` every ``poll_interval_s`` and adds what is new to the same
+Prometheus metrics the native engine feeds, so dashboards and the controller
+work the same on both engines.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,14 +37,18 @@ from service.engine.types import (
 )
 from service.metrics import Metrics
 from speculative.config import DFlashConfig
-from speculative.sglang.logic import ADAPTIVE_ALGORITHM, check_policy
+from speculative.session import RoundStats
+from speculative.sglang.logic import ADAPTIVE_ALGORITHM, StepCell, StepCounters, check_policy
+
+log = logging.getLogger(__name__)
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def server_args(settings: ServeSettings, draft_block_size: int) -> dict[str, Any]:
     """``sglang.Engine`` keyword arguments for ``settings`` (the DFlash draft at
-    its trained block: the KV reserve and CUDA graphs are sized for it)."""
+    its trained block: the KV reserve and CUDA graphs are sized for it), then
+    ``settings.sglang_args`` (the user's, e.g. ``tp_size``; they win)."""
     args: dict[str, Any] = {
         "model_path": str(settings.target),
         "device": settings.device,
@@ -55,7 +62,7 @@ def server_args(settings: ServeSettings, draft_block_size: int) -> dict[str, Any
             "speculative_draft_model_path": str(settings.draft),
             "speculative_num_draft_tokens": draft_block_size,
         }
-    return args
+    return args | settings.sglang_args
 
 
 def sampling_params(request: GenerateRequest) -> dict[str, Any]:
@@ -97,10 +104,24 @@ def spec_stats(meta_info: dict[str, Any]) -> SpecStats:
     )
 
 
+def step_stats(batch_size: int, block_size: int, cell: StepCell) -> RoundStats:
+    """``cell.steps`` steps of one (batch size, b) as the summed stats the
+    metrics take (every row verifies every draft position of its block)."""
+    return RoundStats(
+        batch_size=batch_size,
+        block_size=block_size,
+        accepted=[],
+        accepted_per_position=list(cell.accepted_per_position),
+        verified_per_position=[cell.steps * batch_size] * (block_size - 1),
+        draft_seconds=0.0,
+        verify_seconds=cell.seconds,
+    )
+
+
 class SGLangEngine:
     """The service's engine on SGLang. ``runtime``: a started ``sglang.Engine``
     (anything with ``async_generate``, ``collective_rpc``, ``tokenizer_manager``
-    and ``shutdown``)."""
+    and ``shutdown``); ``metrics``: where the schedulers' step counters go."""
 
     def __init__(
         self,
@@ -111,8 +132,14 @@ class SGLangEngine:
         context_length: int,
         max_batch_size: int,
         max_waiting: int,
+        metrics: Metrics | None = None,
+        poll_interval_s: float = 2.0,
     ) -> None:
-        self.runtime, self.tokenizer = runtime, tokenizer
+        self.runtime, self.tokenizer, self.metrics = runtime, tokenizer, metrics
+        self.poll_interval_s = poll_interval_s
+        self._steps_seen = StepCounters()
+        self._poller: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._max_block_size, self._context_length = max_block_size, context_length
         self.capacity, self.max_batch_size = max_batch_size + max_waiting, max_batch_size
         self._policy = BlockPolicy.fixed(max_block_size)
@@ -122,15 +149,16 @@ class SGLangEngine:
 
     @classmethod
     def from_settings(cls, settings: ServeSettings, tokenizer: Decoder, metrics: Metrics) -> SGLangEngine:
-        """Start ``sglang.Engine`` for ``settings`` (imports SGLang). ``metrics``
-        is not fed per step yet (module docstring)."""
+        """Start ``sglang.Engine`` for ``settings`` (imports SGLang); step
+        metrics go to ``metrics``."""
         import sglang
 
         block = DFlashConfig.from_file(settings.draft / "config.json").block_size if settings.draft else 1
         runtime = sglang.Engine(**server_args(settings, block))
         context = int(runtime.tokenizer_manager.context_len)
         engine = cls(runtime, tokenizer, max_block_size=block, context_length=context,
-                     max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting)  # fmt: skip
+                     max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting,
+                     metrics=metrics)  # fmt: skip
         if settings.draft:
             engine.rpc("dflash_probe")  # fails loudly if the plugin is not active
             if settings.block_size:
@@ -152,11 +180,37 @@ class SGLangEngine:
         return self._policy
 
     def start(self) -> None:
-        """SGLang's processes already run (started by ``from_settings``)."""
+        """SGLang's processes already run (started by ``from_settings``); with a
+        draft and metrics, start reading the step counters (call from the
+        serving event loop, as the app's lifespan does)."""
+        self._loop = asyncio.get_running_loop()
+        if self.metrics is not None and self._max_block_size > 1:
+            self._poller = self._loop.create_task(self._poll_forever())
+
+    async def poll_steps(self) -> None:
+        """Add the steps the schedulers counted since the last poll to the metrics."""
+        states = await self.runtime.tokenizer_manager.get_internal_state()
+        reports = [state["dflash_adaptive"]["steps"] for state in states if "dflash_adaptive" in state]
+        if not reports or self.metrics is None:
+            return
+        counted = StepCounters.from_reports(reports)
+        for (batch, b), cell in counted.since(self._steps_seen).cells.items():
+            self.metrics.observe_steps(step_stats(batch, b, cell), cell.seconds, cell.steps)
+        self._steps_seen = counted
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll_steps()
+            except Exception:  # keep serving; the next poll catches up (counters are cumulative)
+                log.exception("reading SGLang's step counters failed")
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop admitting; abort in-flight requests unless draining; shut SGLang down."""
         self._draining = True
+        if self._poller is not None:
+            self._loop.call_soon_threadsafe(self._poller.cancel)
         if not drain:
             for rid in list(self._in_flight):
                 self.abort(rid)

@@ -1,5 +1,5 @@
 """The plugin's logic that does not need SGLang: algorithm names, the per-step
-block size, per-block-size worker state, and acceptance accounting.
+block size, per-block-size worker state, and acceptance and step-time accounting.
 
 Everything here runs (and is tested) on CPU; ``worker.py`` and ``plugin.py``
 apply it inside SGLang's scheduler processes.
@@ -8,7 +8,7 @@ apply it inside SGLang's scheduler processes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from speculative.policy import BlockPolicy
 
@@ -133,3 +133,71 @@ class AcceptCounters:
     def acceptance_length(self) -> float:
         """Tokens committed per row-step (accepted drafts + the bonus token)."""
         return (self.accepted + self.rows) / self.rows if self.rows else 0.0
+
+
+@dataclass
+class StepCell:
+    """Cumulative verify steps of one (batch size, block size): how many, their
+    device seconds, and accepted drafts per block position (slot k + 1)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, steps: int, seconds: float, accepted_per_position: Sequence[int]) -> None:
+        self.steps += steps
+        self.seconds += seconds
+        self.accepted_per_position = [
+            a + b for a, b in zip(self.accepted_per_position, accepted_per_position, strict=True)
+        ]
+
+
+@dataclass
+class StepCounters:
+    """Every verify step by (batch size, block size): the data behind the native
+    engine's step metrics (step-time histogram, per-position acceptance), kept
+    cumulative in the scheduler and read by the service (``get_internal_state``)."""
+
+    cells: dict[tuple[int, int], StepCell] = field(default_factory=dict)
+
+    def cell(self, batch_size: int, block_size: int) -> StepCell:
+        key = (batch_size, block_size)
+        if key not in self.cells:
+            self.cells[key] = StepCell(accepted_per_position=[0] * (block_size - 1))
+        return self.cells[key]
+
+    def add_step(self, accept_lengths: Sequence[int], block_size: int, seconds: float) -> None:
+        """Fold one step: ``accept_lengths[i]`` drafts of row i accepted (0 .. b - 1)."""
+        if any(not 0 <= n < block_size for n in accept_lengths):
+            raise ValueError(f"accept lengths {list(accept_lengths)} outside 0..{block_size - 1}")
+        per_position = [sum(n > k for n in accept_lengths) for k in range(block_size - 1)]
+        self.cell(len(accept_lengths), block_size).add(1, seconds, per_position)
+
+    def to_report(self) -> list[dict]:
+        """JSON-ready rows (SGLang ships internal state as builtins)."""
+        return [{"batch_size": batch, "block_size": b, "steps": c.steps, "seconds": c.seconds,
+                 "accepted_per_position": list(c.accepted_per_position)}
+                for (batch, b), c in sorted(self.cells.items())]  # fmt: skip
+
+    @classmethod
+    def from_reports(cls, reports: Sequence[Sequence[dict]]) -> StepCounters:
+        """The sum of several schedulers' reports (data-parallel ranks batch separately)."""
+        total = cls()
+        for report in reports:
+            for row in report:
+                cell = total.cell(int(row["batch_size"]), int(row["block_size"]))
+                cell.add(int(row["steps"]), float(row["seconds"]), [int(n) for n in row["accepted_per_position"]])
+        return total
+
+    def since(self, earlier: StepCounters) -> StepCounters:
+        """What happened after ``earlier`` (a cell that shrank restarted: taken whole)."""
+        delta = StepCounters()
+        for key, cell in self.cells.items():
+            before = earlier.cells.get(key)
+            if before is None or cell.steps < before.steps:
+                before = StepCell(accepted_per_position=[0] * len(cell.accepted_per_position))
+            if cell.steps > before.steps:
+                accepted = zip(cell.accepted_per_position, before.accepted_per_position, strict=True)
+                delta.cells[key] = StepCell(cell.steps - before.steps, cell.seconds - before.seconds,
+                                            [now - then for now, then in accepted])  # fmt: skip
+        return delta

@@ -89,6 +89,7 @@ def report_state(result, controller, state, *args, **kwargs):
             "policy": worker.block_policy.to_dict(),
             "active_block_size": worker.block_states.active,
             "accept": asdict(worker.accept_counters),
+            "steps": worker.step_counters.to_report(),
         }
     return None
 

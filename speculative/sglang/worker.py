@@ -12,6 +12,9 @@ What stays correct when b changes between steps:
 - Accept accounting: every ``GenerationBatchResult`` carries its own
   ``speculative_num_draft_tokens`` (the stride the scheduler uses to read the
   committed tokens), and ``AcceptCounters`` counts positions per step's b.
+- Step metrics: ``StepCounters`` keeps steps, device seconds (CUDA events around
+  the step) and per-position acceptance per (batch size, b), reported through
+  ``get_internal_state`` for the service's Prometheus metrics and controller.
 - CUDA graphs: upstream captures target-verify and draft graphs at width B
   only; a step at another b runs eagerly (SGLang's ``can_run_graph`` rejects
   the width), which is correct but forgoes graphs at that b. Per-b graph sets
@@ -21,13 +24,15 @@ What stays correct when b changes between steps:
 from __future__ import annotations
 
 import logging
+import time
+from typing import NamedTuple
 
 import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 
 from speculative.policy import BlockPolicy
-from speculative.sglang.logic import AcceptCounters, BlockStateCache, check_policy, step_block_size
+from speculative.sglang.logic import AcceptCounters, BlockStateCache, StepCounters, check_policy, step_block_size
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,8 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         self.block_policy = BlockPolicy.fixed(self.trained_block_size)
         self.block_states = BlockStateCache(self, self._fresh_block_state)
         self.accept_counters = AcceptCounters()
-        self._pending_accepts: list[tuple[torch.Tensor, int, torch.cuda.Event | None]] = []
+        self.step_counters = StepCounters()
+        self._pending: list[_PendingStep] = []
 
     def set_block_policy(self, policy: BlockPolicy) -> None:
         """Use ``policy`` from the next decode step on (ValueError if it does not fit)."""
@@ -55,9 +61,10 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
             block = step_block_size(self.block_policy, len(batch.seq_lens), self.trained_block_size)
             if self.block_states.activate(block):
                 self.draft_model.set_block_size(block)
+            started = _StepClock.start(self.device)
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if decode and result.accept_lens is not None:
-            self._record_accepts(result.accept_lens, int(result.speculative_num_draft_tokens))
+            self._record_step(result.accept_lens, int(result.speculative_num_draft_tokens), started)
         return result
 
     def _fresh_block_state(self, block: int) -> dict[str, object]:
@@ -83,18 +90,54 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
             "_new_seq_lens_bufs": None,
         }
 
-    def _record_accepts(self, commit_lens: torch.Tensor, block: int) -> None:
-        """Queue this step's commit lengths (accepted drafts + 1) for counting
-        without a device sync: copied asynchronously, folded once the copy's
-        event has completed (a later step), so overlap scheduling is kept."""
+    def _record_step(self, commit_lens: torch.Tensor, block: int, started: _StepClock) -> None:
+        """Queue this step's commit lengths (accepted drafts + 1) and timing for
+        counting without a device sync: copied asynchronously, folded once the
+        step's end event has completed (a later step), so overlap scheduling is kept."""
         # Pinned memory (PyTorch's caching host allocator) makes the copy truly asynchronous.
         host = torch.empty(commit_lens.shape, dtype=commit_lens.dtype, pin_memory=commit_lens.is_cuda)
         host.copy_(commit_lens, non_blocking=True)
-        event = None
-        if commit_lens.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._pending_accepts.append((host, block, event))
-        while self._pending_accepts and (self._pending_accepts[0][2] is None or self._pending_accepts[0][2].query()):
-            lengths, b, _ = self._pending_accepts.pop(0)
-            self.accept_counters.add_step([n - 1 for n in lengths.tolist()], b, self.trained_block_size)
+        self._pending.append(_PendingStep(host, block, started.stop()))
+        while self._pending and self._pending[0].clock.done():
+            step = self._pending.pop(0)
+            drafts = [n - 1 for n in step.commit_lens.tolist()]
+            self.accept_counters.add_step(drafts, step.block, self.trained_block_size)
+            self.step_counters.add_step(drafts, step.block, step.clock.seconds())
+
+
+class _StepClock:
+    """Device time of one step: CUDA events on the current stream (read once the
+    end event completes), or wall time on other devices (synchronous there)."""
+
+    def __init__(self, start: torch.cuda.Event | float) -> None:
+        self.begin, self.end = start, None
+
+    @classmethod
+    def start(cls, device: torch.device | str) -> _StepClock:
+        if torch.device(device).type != "cuda":
+            return cls(time.perf_counter())
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return cls(event)
+
+    def stop(self) -> _StepClock:
+        if isinstance(self.begin, float):
+            self.end = time.perf_counter()
+        else:
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+        return self
+
+    def done(self) -> bool:
+        return isinstance(self.end, float) or self.end.query()
+
+    def seconds(self) -> float:
+        if isinstance(self.begin, float):
+            return self.end - self.begin
+        return self.begin.elapsed_time(self.end) / 1e3  # milliseconds
+
+
+class _PendingStep(NamedTuple):
+    commit_lens: torch.Tensor
+    block: int
+    clock: _StepClock
