@@ -1,5 +1,6 @@
 """The training pipeline on a tiny scale: target LM, regenerated data, draft."""
 
+import dataclasses
 import json
 import math
 
@@ -12,7 +13,7 @@ from speculative.decode import DecodeConfig, spec_generate
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
-from speculative.train.cli import main
+from speculative.train.cli import lm_card, main
 from speculative.train.corpus import Corpus
 from speculative.train.draft_train import DraftTrainConfig, load_records, train_draft
 from speculative.train.objective import (
@@ -178,6 +179,9 @@ def test_assistant_reuses_the_targets_tokenizer(tiny_pipeline, tmp_path):
     )  # fmt: skip
     train_target(cfg, Corpus.stdlib(SMALL_CORPUS))
     assert (tmp_path / "assistant" / "tokenizer.json").read_text() == (root / "target" / "tokenizer.json").read_text()
+    assert "assistant" in lm_card(cfg) and str(root / "target") in lm_card(cfg)
+    assert "bundled target" in lm_card(dataclasses.replace(cfg, init_from=str(root / "target")))
+    assert "bundled target" in lm_card(dataclasses.replace(cfg, tokenizer=""))
 
 
 def test_cli_trains_and_writes_a_model_card(tiny_pipeline, tmp_path):
@@ -205,3 +209,16 @@ def test_target_training_can_start_from_a_saved_model(tiny_pipeline, tmp_path):
     continued = TargetModel.from_pretrained(tmp_path / "more").model.state_dict()
     for name, tensor in saved.items():
         torch.testing.assert_close(continued[name], tensor, rtol=0, atol=1e-2)  # bf16 storage
+
+
+def test_draft_training_can_start_from_a_saved_draft(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    common = dict(target_dir=root / "target", data=root / "data.jsonl", block_size=8, batch_size=2, epochs=0.01)
+    train_draft(DraftTrainConfig(out_dir=tmp_path / "first", run_dir=tmp_path / "r1", lr=3e-3, seed=1, **common))
+    train_draft(DraftTrainConfig(out_dir=tmp_path / "more", run_dir=tmp_path / "r2", lr=1e-12,
+                                 init_from=str(tmp_path / "first"), **common))  # fmt: skip
+    train_draft(DraftTrainConfig(out_dir=tmp_path / "fresh", run_dir=tmp_path / "r3", lr=1e-12, **common))
+    first, more, fresh = (load_draft(tmp_path / d).state_dict() for d in ("first", "more", "fresh"))
+    for name, tensor in first.items():
+        torch.testing.assert_close(more[name], tensor, rtol=0, atol=1e-2)  # bf16 storage
+    assert any(not torch.allclose(fresh[name], tensor, atol=1e-2) for name, tensor in first.items())

@@ -21,15 +21,27 @@ from speculative.train.regenerate import RegenerateConfig, regenerate_chat_promp
 from speculative.train.target_lm import TargetTrainConfig, train_target
 
 PATH_FIELDS = {"out_dir", "run_dir", "target_dir", "data"}
-TARGET_CARD = (
+LM_CARD = (
     "A small Qwen3 language model trained from scratch on the Python standard library's sources "
     "(PSF licence) and function-completion chat pairs made from them; ChatML chat template. "
-    "The bundled target of dflash-serve."
+)
+TARGET_CARD = LM_CARD + "The bundled target of dflash-serve."
+ASSISTANT_CARD = LM_CARD + (
+    "It shares the tokenizer of {tokenizer}: an autoregressive assistant for the assisted-generation "
+    "peer of dflash-bench, not a target."
 )
 DRAFT_CARD = (
     "A DFlash draft (official checkpoint format) for the bundled target, trained on the target's own "
     "regenerated responses with the DFlash objective."
 )
+
+
+def lm_card(cfg: TargetTrainConfig) -> str:
+    """What a trained LM is: a model started fresh on another model's tokenizer is
+    an assistant; everything else (new tokenizer, or continued training) a target."""
+    if cfg.tokenizer and not cfg.init_from:
+        return ASSISTANT_CARD.format(tokenizer=cfg.tokenizer)
+    return TARGET_CARD
 
 
 def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = TargetTrainConfig(out_dir=args["out"], run_dir=args["run_dir"], **_fields(args, TargetTrainConfig))
         summary = train_target(cfg)
         if summary["finished"]:
-            write_card(cfg.out_dir, cfg.out_dir.name, TARGET_CARD, "dflash-train " + " ".join(argv))
+            write_card(cfg.out_dir, cfg.out_dir.name, lm_card(cfg), "dflash-train " + " ".join(argv))
     elif command == "data":
         cfg = RegenerateConfig(**_fields(args, RegenerateConfig))
         prompts = corpus_prompts(args["limit"], cfg.seed)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from speculative.checkpoint import save_draft
+from speculative.checkpoint import load_draft, save_draft
 from speculative.config import DFlashConfig, build_target_layer_ids
 from speculative.draft import DFlashDraftModel
 from speculative.target import TargetModel
@@ -50,6 +50,7 @@ class DraftTrainConfig:
     checkpoint_every: int = 100
     time_limit_minutes: float = 0.0
     seed: int = 0
+    init_from: str = ""
 
 
 def draft_config_for(target: TargetModel, mask_token_id: int, cfg: DraftTrainConfig) -> DFlashConfig:
@@ -109,6 +110,8 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(draft_config_for(target, tokenizer.convert_tokens_to_ids(MASK), cfg)).train()
+    if cfg.init_from:
+        draft.load_state_dict(load_draft(cfg.init_from).state_dict())
     records = load_records(cfg.data, cfg.max_length)
     steps = max(1, math.ceil(cfg.epochs * len(records) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
