@@ -95,14 +95,12 @@ def run(engine: SimulatedEngine, settings: ControllerSettings, ticks: int, start
 def test_converges_to_the_goodput_optimum_per_bucket():
     settings = ControllerSettings()
     engine = SimulatedEngine(batches=(1, 4, 16, 32))
-    state, history = run(engine, settings, ticks=200)
+    state, _ = run(engine, settings, ticks=200)
     final = {}
     for batch in engine.batches:
         bucket = batch_bucket(batch)
         best = max(settings.allowed, key=lambda b: true_goodput(batch, b))
-        chosen = history[-1].table[bucket]
-        if bucket in state.exploring:  # mid-trial: judge the block it returns to
-            chosen = state.exploring[bucket][1]
+        chosen = state.decided(bucket)  # mid-trial: judge the block it returns to
         assert true_goodput(batch, chosen) >= 0.93 * true_goodput(batch, best), (batch, chosen, best)
         final[bucket] = chosen
     # The optimum really differs with load: long blocks alone, plain or short blocks under load.
@@ -185,8 +183,8 @@ def test_a_profiled_cold_start_still_learns_what_the_draft_accepts():
     first, state = decide(Observation(1.0, dict(engine.step_seconds), {}, {}), state, settings)
     assert first.table["1"] == 2 and "exploring b=2" in first.reasons["1"]
     for _ in range(40):
-        decision, state = decide(engine.tick(state.table), state, settings)
-    chosen = state.exploring["1"][1] if "1" in state.exploring else decision.table["1"]
+        _, state = decide(engine.tick(state.table), state, settings)
+    chosen = state.decided("1")
     best = max(settings.allowed, key=engine.fixed_throughput)
     assert chosen >= 6 and engine.fixed_throughput(chosen) >= 0.93 * engine.fixed_throughput(best)
 

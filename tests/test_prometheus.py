@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from dashboards.render import panels, promql, render
 from service.controller.cli import push_to_replicas
-from service.controller.decide import ControllerSettings, ControllerState
+from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.source import (
     SourceError,
@@ -122,12 +122,6 @@ def hold_concurrency(url: str, prompts: list[list[int]], concurrency: int, secon
     return len(done)
 
 
-def chosen_block(state: ControllerState, bucket: str) -> int:
-    """The bucket's decided block size (not a neighbour being explored)."""
-    trial = state.exploring.get(bucket)
-    return trial[1] if trial is not None else state.table[bucket]
-
-
 def test_policy_follows_concurrency_through_prometheus(heavy_pair, tmp_path):
     """One request at a time, then sixteen: the controller, reading a real
     Prometheus that scrapes the live service, keeps a large block alone and
@@ -144,9 +138,9 @@ def test_policy_follows_concurrency_through_prometheus(heavy_pair, tmp_path):
         try:
             assert hold_concurrency(url, prompts, 1, ALONE_S) > 0
             snapshot = loop.state  # each tick replaces the state: one consistent view
-            alone, crowded_before = chosen_block(snapshot, "1"), snapshot.table["16-31"]
+            alone, crowded_before = snapshot.decided("1"), snapshot.table["16-31"]
             assert hold_concurrency(url, prompts, 16, CROWDED_S) >= 16
-            crowded = chosen_block(loop.state, "16-31")
+            crowded = loop.state.decided("16-31")
         finally:
             loop.stop()
     assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "observe"}) == 0

@@ -118,15 +118,16 @@ def test_step_counters_per_batch_and_block_size():
 
 
 def test_accept_counters_count_only_positions_each_step_verified():
-    counters = AcceptCounters()
-    counters.add_step([3, 0], block_size=4, max_block_size=8)  # positions 1..3 verified twice
-    counters.add_step([7], block_size=8, max_block_size=8)  # positions 1..7 once
+    steps = StepCounters()
+    steps.add_step([3, 0], block_size=4, seconds=0.0)  # positions 1..3 verified twice
+    steps.add_step([7], block_size=8, seconds=0.0)  # positions 1..7 once
+    counters = AcceptCounters.from_steps(steps, max_block_size=8)
     assert counters.verified_per_position == [3, 3, 3, 1, 1, 1, 1]
     assert counters.accepted_per_position == [2, 2, 2, 1, 1, 1, 1]
     assert (counters.rows, counters.drafted, counters.accepted) == (3, 13, 10)
     assert counters.acceptance_length == pytest.approx((10 + 3) / 3)
     with pytest.raises(ValueError):
-        counters.add_step([4], block_size=4, max_block_size=8)
+        steps.add_step([4], block_size=4, seconds=0.0)
 
 
 # ------------------------------------------------------------ plugin hooks
@@ -170,11 +171,10 @@ def test_scheduler_rpcs_reach_the_adaptive_worker():
 
 
 def test_internal_state_reports_policy_and_counters():
-    counters, steps = AcceptCounters(), StepCounters()
-    counters.add_step([2], 4, 4)
+    steps = StepCounters()
     steps.add_step([2], 4, 0.5)
     worker = SimpleNamespace(block_policy=BlockPolicy.fixed(4), block_states=SimpleNamespace(active=4),
-                             accept_counters=counters, step_counters=steps)  # fmt: skip
+                             step_counters=steps, trained_block_size=4)  # fmt: skip
     state = {}
     plugin.report_state(None, SimpleNamespace(scheduler=SimpleNamespace(draft_worker=worker)), state)
     report = json.loads(json.dumps(state))["dflash_adaptive"]  # msgpack/JSON-native

@@ -177,10 +177,9 @@ def test_e_worker_counts_steps_and_their_time():
     from speculative.sglang.logic import AcceptCounters, StepCounters
     from speculative.sglang.worker import AdaptiveDFlashWorker, _StepClock
 
-    worker = SimpleNamespace(_pending=[], accept_counters=AcceptCounters(), step_counters=StepCounters(),
-                             trained_block_size=8)  # fmt: skip
+    worker = SimpleNamespace(_pending=[], step_counters=StepCounters(), trained_block_size=8)
     clock = _StepClock.start("cpu")
     AdaptiveDFlashWorker._record_step(worker, torch.tensor([4, 1]), 4, clock)  # commit lengths: drafts + 1
-    assert not worker._pending and worker.accept_counters.rows == 2
+    assert not worker._pending and AcceptCounters.from_steps(worker.step_counters, 8).rows == 2
     cell = worker.step_counters.cells[(2, 4)]
     assert cell.steps == 1 and cell.accepted_per_position == [1, 1, 1] and 0 < cell.seconds < 1

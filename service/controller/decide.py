@@ -30,12 +30,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from service.controller.estimates import (
-    Estimates,
-    Observation,
-    expected_acceptance_length,
-    survival_upper_bound,
-)
+from service.controller.estimates import Estimates, Observation, expected_acceptance_length
 from speculative.policy import BlockPolicy
 
 BUCKETS = ("1", "2-3", "4-7", "8-15", "16-31", "32-63", "64+")
@@ -103,6 +98,11 @@ class ControllerState:
         """Start with ``block_size`` at every batch size."""
         return cls(table=dict.fromkeys(BUCKETS, block_size))
 
+    def decided(self, bucket: str) -> int:
+        """The bucket's chosen block: the one a running trial returns to."""
+        trial = self.exploring.get(bucket)
+        return trial[1] if trial is not None else self.table[bucket]
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -120,7 +120,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     state.estimates.update(obs, settings.half_life_s)
     allowed = settings.allowed
     survival = state.estimates.survival_curve(max(allowed) - 1, settings.min_verified)
-    reachable = survival_upper_bound(state.estimates, max(allowed) - 1, settings.min_verified)
+    reachable = state.estimates.survival_upper_bound(max(allowed) - 1, settings.min_verified)
     shape = _cost_shape(state, settings)
     goodput: dict[str, dict[int, float]] = {}
     reasons: dict[str, str] = {}
@@ -280,6 +280,5 @@ def _seed_unmeasured(state: ControllerState, reasons: dict[str, str], goodput: d
     for i, bucket in enumerate(BUCKETS):
         if bucket not in goodput:
             source = BUCKETS[min(measured, key=lambda j: (abs(j - i), j))]
-            trial = state.exploring.get(source)
-            state.table[bucket] = trial[1] if trial is not None else state.table[source]
+            state.table[bucket] = state.decided(source)
             reasons[bucket] = f"no measurements: b={state.table[bucket]} from bucket {source}"

@@ -71,6 +71,13 @@ class Estimates:
             accepted = obs.accepted.get(k, 0.0) - previous.accepted.get(k, 0.0)
             self.survival.setdefault(k, Decayed()).add(accepted, verified, obs.time, decay)
 
+    def measured_survival(self, position: int, min_verified: float) -> float | None:
+        """S_k where at least ``min_verified`` (undecayed) drafts were verified, else None."""
+        d = self.survival.get(position)
+        if d is None or d.samples < min_verified or d.count <= 0:
+            return None
+        return min(1.0, max(0.0, d.mean))
+
     def survival_curve(self, max_position: int, min_verified: float) -> list[float]:
         """S_1..S_max. Positions with at least ``min_verified`` (decayed) verified
         drafts are measured; later ones continue the last measured ratio
@@ -78,9 +85,9 @@ class Estimates:
         measured, 0 (no evidence that drafting pays)."""
         curve: list[float] = []
         for k in range(1, max_position + 1):
-            d = self.survival.get(k)
-            if d is not None and d.samples >= min_verified and d.count > 0:
-                curve.append(min(1.0, max(0.0, d.mean)))
+            measured = self.measured_survival(k, min_verified)
+            if measured is not None:
+                curve.append(measured)
             elif not curve:
                 curve.append(0.0)
             else:
@@ -88,18 +95,17 @@ class Estimates:
                 curve.append(curve[-1] * min(1.0, ratio))
         return curve
 
-
-def survival_upper_bound(estimates: Estimates, max_position: int, min_verified: float) -> list[float]:
-    """S_1..S_max where measured; an unmeasured position is at most the survival
-    before it (1.0 before any measurement): what a block could reach, for
-    deciding whether trying it is worth its cost."""
-    bound, last = [], 1.0
-    for k in range(1, max_position + 1):
-        d = estimates.survival.get(k)
-        if d is not None and d.samples >= min_verified and d.count > 0:
-            last = min(last, min(1.0, max(0.0, d.mean)))
-        bound.append(last)
-    return bound
+    def survival_upper_bound(self, max_position: int, min_verified: float) -> list[float]:
+        """S_1..S_max where measured; an unmeasured position is at most the survival
+        before it (1.0 before any measurement): what a block could reach, for
+        deciding whether trying it is worth its cost."""
+        bound, last = [], 1.0
+        for k in range(1, max_position + 1):
+            measured = self.measured_survival(k, min_verified)
+            if measured is not None:
+                last = min(last, measured)
+            bound.append(last)
+        return bound
 
 
 def expected_acceptance_length(survival: list[float], block_size: int) -> float:

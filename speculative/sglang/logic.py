@@ -100,42 +100,6 @@ class BlockStateCache:
 
 
 @dataclass
-class AcceptCounters:
-    """Per-position acceptance, counted correctly when b changes between steps:
-    a position is "verified" only in rows whose block had that position."""
-
-    steps: int = 0
-    rows: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] | None = None
-    verified_per_position: list[int] | None = None
-
-    def add_step(self, accept_lengths: Sequence[int], block_size: int, max_block_size: int) -> None:
-        """Fold one verify step: ``accept_lengths[i]`` drafts of row i accepted
-        (0 .. block_size - 1; the bonus token is not counted)."""
-        if self.accepted_per_position is None:
-            self.accepted_per_position = [0] * (max_block_size - 1)
-            self.verified_per_position = [0] * (max_block_size - 1)
-        drafts = block_size - 1
-        self.steps += 1
-        for accepted in accept_lengths:
-            if not 0 <= accepted <= drafts:
-                raise ValueError(f"accept length {accepted} outside 0..{drafts}")
-            self.rows += 1
-            self.drafted += drafts
-            self.accepted += accepted
-            for k in range(drafts):
-                self.verified_per_position[k] += 1
-                self.accepted_per_position[k] += k < accepted
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens committed per row-step (accepted drafts + the bonus token)."""
-        return (self.accepted + self.rows) / self.rows if self.rows else 0.0
-
-
-@dataclass
 class StepCell:
     """Cumulative verify steps of one (batch size, block size): how many, their
     device seconds, and accepted drafts per block position (slot k + 1)."""
@@ -201,3 +165,36 @@ class StepCounters:
                 delta.cells[key] = StepCell(cell.steps - before.steps, cell.seconds - before.seconds,
                                             [now - then for now, then in accepted])  # fmt: skip
         return delta
+
+
+@dataclass(frozen=True)
+class AcceptCounters:
+    """Per-position acceptance over all steps, correct when b changes between
+    steps: a position is "verified" only in rows whose block had that position."""
+
+    steps: int
+    rows: int
+    drafted: int
+    accepted: int
+    accepted_per_position: list[int]
+    verified_per_position: list[int]
+
+    @classmethod
+    def from_steps(cls, counters: StepCounters, max_block_size: int) -> AcceptCounters:
+        """Totals of ``counters`` over every (batch size, b) cell."""
+        accepted_per_position = [0] * (max_block_size - 1)
+        verified_per_position = [0] * (max_block_size - 1)
+        steps = rows = drafted = 0
+        for (batch, b), cell in counters.cells.items():
+            steps += cell.steps
+            rows += cell.steps * batch
+            drafted += cell.steps * batch * (b - 1)
+            for k, accepted in enumerate(cell.accepted_per_position):
+                accepted_per_position[k] += accepted
+                verified_per_position[k] += cell.steps * batch
+        return cls(steps, rows, drafted, sum(accepted_per_position), accepted_per_position, verified_per_position)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per row-step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.rows) / self.rows if self.rows else 0.0

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict
 
 from speculative.policy import BlockPolicy
-from speculative.sglang.logic import ADAPTIVE_ENV, resolve_algorithm
+from speculative.sglang.logic import ADAPTIVE_ENV, AcceptCounters, resolve_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def report_state(result, controller, state, *args, **kwargs):
         state["dflash_adaptive"] = {
             "policy": worker.block_policy.to_dict(),
             "active_block_size": worker.block_states.active,
-            "accept": asdict(worker.accept_counters),
+            "accept": asdict(AcceptCounters.from_steps(worker.step_counters, worker.trained_block_size)),
             "steps": worker.step_counters.to_report(),
         }
     return None

@@ -11,7 +11,7 @@ What stays correct when b changes between steps:
 - Buffers and block-shaped inputs: one set per b (``BlockStateCache``).
 - Accept accounting: every ``GenerationBatchResult`` carries its own
   ``speculative_num_draft_tokens`` (the stride the scheduler uses to read the
-  committed tokens), and ``AcceptCounters`` counts positions per step's b.
+  committed tokens), and ``StepCounters`` counts positions per step's b.
 - Step metrics: ``StepCounters`` keeps steps, device seconds (CUDA events around
   the step) and per-position acceptance per (batch size, b), reported through
   ``get_internal_state`` for the service's Prometheus metrics and controller.
@@ -32,7 +32,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 
 from speculative.policy import BlockPolicy
-from speculative.sglang.logic import AcceptCounters, BlockStateCache, StepCounters, check_policy, step_block_size
+from speculative.sglang.logic import BlockStateCache, StepCounters, check_policy, step_block_size
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         self.trained_block_size = int(self.block_size)
         self.block_policy = BlockPolicy.fixed(self.trained_block_size)
         self.block_states = BlockStateCache(self, self._fresh_block_state)
-        self.accept_counters = AcceptCounters()
         self.step_counters = StepCounters()
         self._pending: list[_PendingStep] = []
 
@@ -101,7 +100,6 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         while self._pending and self._pending[0].clock.done():
             step = self._pending.pop(0)
             drafts = [n - 1 for n in step.commit_lens.tolist()]
-            self.accept_counters.add_step(drafts, step.block, self.trained_block_size)
             self.step_counters.add_step(drafts, step.block, step.clock.seconds())
 
 
