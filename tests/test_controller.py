@@ -27,9 +27,9 @@ ALPHA = 0.8  # true per-position survival ratio: S_k = ALPHA ** k
 SLOPE = {1: 0.04, 4: 0.12, 16: 0.5, 32: 1.2}  # extra step time per extra block token, relative
 
 
-def step_time(batch: int, b: int) -> float:
+def step_time(batch: int, b: int, slope: dict[int, float] = SLOPE) -> float:
     """True cost: memory-bound at small batch (flat in b), compute-bound at large."""
-    return 0.01 * (1 + 0.1 * batch) * (1 + SLOPE[batch] * (b - 1))
+    return 0.01 * (1 + 0.1 * batch) * (1 + slope[batch] * (b - 1))
 
 
 def true_goodput(batch: int, b: int) -> float:
@@ -48,6 +48,7 @@ class SimulatedEngine:
     noise: float = 0.0  # relative spread of measured step times
     alpha: float = ALPHA
     draft_cost: float = 0.0
+    slope: dict[int, float] = field(default_factory=lambda: dict(SLOPE))
     now: float = 0.0
     committed: float = 0.0
     step_seconds: dict = field(default_factory=dict)
@@ -56,7 +57,7 @@ class SimulatedEngine:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def step_time(self, batch: int, b: int) -> float:
-        return step_time(batch, b) * (1 + self.draft_cost * (b > 1))
+        return step_time(batch, b, self.slope) * (1 + self.draft_cost * (b > 1))
 
     def tokens_per_step(self, batch: int, b: int) -> float:
         return batch * expected_acceptance_length([self.alpha**k for k in range(1, 16)], b)
@@ -214,6 +215,26 @@ def test_exploration_skips_clearly_worse_blocks_but_not_plausible_plain_decoding
     strong = SimulatedEngine(batches=(1,))
     _, history = run(strong, ControllerSettings(explore_after_s=60), ticks=60)
     assert ("1", 1) not in strong.step_seconds and any("exploring" in d.reasons["1"] for d in history[20:])
+
+
+def test_a_crowded_bucket_leaves_the_block_it_borrowed_from_a_flat_idle_bucket():
+    # Alone, step time is flat in b and a strong draft wants b = 16; the crowded
+    # bucket starts there. Its other blocks' times come from the idle bucket's
+    # flat slope, which makes b = 8 look 30 % worse: only measuring it reveals
+    # that crowded steps are steep (best b = 4 here, b = 16 at 0.7x of it).
+    engine = SimulatedEngine(batches=(1,), alpha=0.9, noise=0.1, slope={**SLOPE, 1: 0.0})
+    settings = ControllerSettings(candidates=(1, 2, 4, 8, 16), half_life_s=20.0, min_steps=5.0,
+                                  min_verified=20.0, explore_after_s=8.0)  # fmt: skip
+    state = ControllerState.initial(16)
+    for _ in range(15):
+        _, state = decide(engine.tick(state.table, seconds=1.0), state, settings)
+    assert state.decided("1") == 16 and state.table["16-31"] == 16
+    engine.batches = (16,)
+    for _ in range(45):
+        _, state = decide(engine.tick(state.table, seconds=1.0), state, settings)
+    crowded = state.decided("16-31")
+    best = max(settings.allowed, key=lambda b: engine.tokens_per_step(16, b) / engine.step_time(16, b))
+    assert crowded == best == 4
 
 
 def test_counter_reset_is_a_new_baseline():

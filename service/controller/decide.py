@@ -19,7 +19,9 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
   steps, so the estimates never freeze; only candidates estimated within
   ``explore_margin`` of the chosen block are tried (a trial lasts at least one
   controller interval, and re-measuring a clearly worse block costs more
-  throughput than it can reveal);
+  throughput than it can reveal), except that a bucket without its own
+  drafting line (two measured drafting cells) always tries its adjacent
+  drafting block: a borrowed slope is a guess, not evidence;
 - a bucket without measurements takes the block of the nearest bucket that has
   them (batch sizes never seen start from the closest evidence, not from the
   draft's block).
@@ -247,7 +249,10 @@ def _stale_candidate(
     """An adjacent candidate, or b = 1, with no or old data whose best-case
     goodput (unmeasured draft positions as good as the last measured one) is
     within ``explore_margin`` of the chosen block's estimate, if the bucket has
-    live traffic."""
+    live traffic. Until the bucket has two measured drafting cells its step
+    times come from a borrowed slope (a guess: a crowded bucket is steeper
+    than the idle one it borrows from), so an adjacent drafting block is tried
+    whatever that guess says."""
     chosen = state.table[bucket]
     cells = state.estimates.step_time
     live = cells.get((bucket, chosen))
@@ -255,11 +260,13 @@ def _stale_candidate(
         return None
     allowed = settings.allowed
     i = allowed.index(chosen)
-    candidates = {allowed[j] for j in (i - 1, i + 1) if 0 <= j < len(allowed)} | {1}
+    neighbours = {allowed[j] for j in (i - 1, i + 1) if 0 <= j < len(allowed)}
+    own_line = sum(b > 1 for b in _measured(state, settings, bucket)) >= 2
+    slope_probes = set() if own_line else {b for b in neighbours if b > 1}
     stale = [
         b
-        for b in sorted(candidates - {chosen})
-        if best_case[b] >= (1 - settings.explore_margin) * goodput[chosen]
+        for b in sorted((neighbours | {1}) - {chosen})
+        if (b in slope_probes or best_case[b] >= (1 - settings.explore_margin) * goodput[chosen])
         and (
             (bucket, b) not in cells
             or cells[(bucket, b)].samples < settings.min_steps
