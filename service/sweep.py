@@ -5,6 +5,12 @@ For each mode (``fixed:B``: ``--block-size B --controller false``;
 ``dflash-serve`` process serves the same concurrency sweep of ``dflash-load``
 requests, after a warm-up pass over the same levels (the controller learns
 while serving, as in production; every mode gets the same warm-up).
+
+All servers run for the whole sweep and the modes take turns level by level
+(the first mode rotates with the level): on shared machines throughput drifts
+by up to 2x within minutes (two identical back-to-back runs on our 2-core VM:
+43.0 and 81.7 tok/s), so a sweep that ran one mode after the other compared
+modes measured minutes apart. Idle servers use no CPU.
 Output: a table of output tokens/s per mode and concurrency with
 adaptive / best fixed per level and adaptive / fixed-b16 averaged over the
 sweep, one JSON line, and a PNG plot.
@@ -74,21 +80,41 @@ def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen
     raise TimeoutError(f"dflash-serve ({mode.name}) did not become ready")
 
 
-async def measure(url: str, args: argparse.Namespace) -> list[dict]:
-    """A warm-up pass, then the measured pass: one summary per concurrency level."""
+def turns(modes: list[str], level: int) -> list[str]:
+    """The order in which the modes run ``level``: rotated by one per level, so
+    no mode always runs first (cold) or right after the same neighbour."""
+    shift = level % len(modes)
+    return modes[shift:] + modes[:shift]
+
+
+async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[list]]:
+    """A warm-up pass, then the measured pass, each level run by every mode in
+    turn: one summary per mode and level, and the (pass, concurrency, mode)
+    order the levels ran in."""
     texts = [p.text for p in humaneval()]
-    summaries = []
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
-        model = (await client.models.list()).data[0].id
+    results: dict[str, list[dict]] = {name: [] for name in urls}
+    order: list[list] = []
+    clients = {name: openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+               for name, url in urls.items()}  # fmt: skip
+    try:
+        models = {name: (await client.models.list()).data[0].id for name, client in clients.items()}
         for measured in (False, True):
-            for concurrency in args.concurrency:
+            for i, concurrency in enumerate(args.concurrency):
                 count = (args.requests_per_level if measured else args.warmup_requests_per_level) * concurrency
-                prompts = [texts[i % len(texts)] for i in range(max(2, count))]
-                level = await run_level(client, model, prompts, concurrency, args.max_tokens, 0.0,
-                                        args.repetition_penalty)  # fmt: skip
-                if measured:
-                    summaries.append(level.summary())
-    return summaries
+                prompts = [texts[j % len(texts)] for j in range(max(2, count))]
+                for name in turns(list(urls), i):
+                    level = await run_level(clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0,
+                                            args.repetition_penalty)  # fmt: skip
+                    order.append(["measured" if measured else "warm-up", concurrency, name])
+                    if measured:
+                        results[name].append(level.summary())
+                        print(
+                            f"c={concurrency} {name}: {results[name][-1]['output_tokens_per_s']:.1f} tok/s", flush=True
+                        )
+    finally:
+        for client in clients.values():
+            await client.close()
+    return results, order
 
 
 def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
@@ -145,15 +171,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="write the PNG here")
     args = parser.parse_args(argv)
     modes = [Mode.parse(m, args.controller_interval_s) for m in args.modes]
-    results: dict[str, list[dict]] = {}
-    for mode in modes:
-        process, url = start_server(mode, args)
-        try:
-            results[mode.name] = asyncio.run(measure(url, args))
-        finally:
+    processes: list[subprocess.Popen] = []
+    try:
+        urls = {}
+        for mode in modes:
+            process, urls[mode.name] = start_server(mode, args)
+            processes.append(process)
+        results, order = asyncio.run(measure(urls, args))
+    finally:
+        for process in processes:
             process.terminate()
+        for process in processes:
             process.wait(120)
-        print(mode.name, " ".join(f"{s['output_tokens_per_s']:.1f}" for s in results[mode.name]), flush=True)
     comparison = compare(results, args.concurrency)
     print(f"{'concurrency':<12}" + "".join(f"{c:>9}" for c in args.concurrency))
     for name, values in comparison["tokens_per_s"].items():
@@ -164,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"adaptive / fixed:16, mean over the sweep: {comparison['adaptive_vs_fixed16_mean']:.2f}")
     if args.plot:
         plot(comparison, args.plot, f"{args.target.name}: fixed vs adaptive block size")
-    print(json.dumps({"comparison": comparison, "levels": results}))
+    print(json.dumps({"comparison": comparison, "levels": results, "order": order}))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ batch bucket, does not flap, explores, stays in bounds, survives restarts."""
 
 import itertools
 import random
+import threading
 from dataclasses import dataclass, field
 
 import pytest
@@ -85,7 +86,10 @@ class SimulatedEngine:
 
 
 def run(engine: SimulatedEngine, settings: ControllerSettings, ticks: int, start_b: int = 16):
-    state = ControllerState.initial(start_b)
+    return run_from(engine, ControllerState.initial(start_b), settings, ticks)
+
+
+def run_from(engine: SimulatedEngine, state: ControllerState, settings: ControllerSettings, ticks: int):
     history = []
     for _ in range(ticks):
         decision, state = decide(engine.tick(state.table), state, settings)
@@ -125,6 +129,27 @@ def test_explores_stale_neighbours():
     tried = {b for (bucket, b) in engine.step_seconds if bucket == "1"}
     assert len(tried) >= 3
     assert any("exploring" in d.reasons["1"] for d in history[60:])
+
+
+def test_staleness_counts_the_buckets_own_traffic_not_idle_time():
+    # Traffic that returns after 5 idle minutes (longer than explore_after_s)
+    # sees the same decisions, trials included, as if it had never paused:
+    # idle time does not make the bucket's estimates stale.
+    settings = ControllerSettings(explore_after_s=60)
+
+    def reasons_after(idle_ticks: int) -> list[str]:
+        engine = SimulatedEngine(batches=(1,))
+        state, _ = run(engine, settings, ticks=40)
+        engine.batches = ()
+        for _ in range(idle_ticks):
+            _, state = decide(engine.tick(state.table), state, settings)
+        engine.batches = (1,)
+        _, history = run_from(engine, state, settings, ticks=20)
+        return [d.reasons["1"] for d in history]
+
+    uninterrupted = reasons_after(0)
+    assert reasons_after(30) == uninterrupted
+    assert any("exploring" in reason for reason in uninterrupted)
 
 
 def test_block_never_exceeds_the_draft():
@@ -297,6 +322,21 @@ def test_loop_keeps_the_last_policy_through_failures_and_recovers():
     source.fail = False
     assert loop.tick() is not None
     assert registry.get_sample_value("dflash_controller_block_size", {"bucket": "32-63"}) <= 2
+
+
+def test_loop_decides_as_soon_as_it_starts():
+    # With a start-up profile the first requests must run its policy, not wait
+    # one interval at the draft's block.
+    engine = SimulatedEngine(batches=(32,))
+    pushed = threading.Event()
+    metrics = ControllerMetrics(CollectorRegistry())
+    loop = ControllerLoop(lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)), lambda policy: pushed.set(),
+                          ControllerSettings(), 16, metrics, interval_s=3600.0)  # fmt: skip
+    loop.start()
+    try:
+        assert pushed.wait(10.0)
+    finally:
+        loop.stop()
 
 
 def test_loop_retries_a_failed_push():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.sweep import Mode, compare, main
+from service.sweep import Mode, compare, main, turns
 
 
 def test_modes_parse_to_server_flags():
@@ -16,6 +16,16 @@ def test_modes_parse_to_server_flags():
     assert Mode.parse("adaptive", 1.5).flags == adaptive
     with pytest.raises(Exception, match="mode must be"):
         Mode.parse("fixed:x", 2.0)
+
+
+def test_modes_take_turns_with_a_rotating_first():
+    modes = ["fixed:1", "fixed:16", "adaptive"]
+    assert [turns(modes, level) for level in range(4)] == [
+        modes,
+        ["fixed:16", "adaptive", "fixed:1"],
+        ["adaptive", "fixed:1", "fixed:16"],
+        modes,
+    ]
 
 
 def test_comparison_ratios():
@@ -37,3 +47,9 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
                for levels in summary["levels"].values())  # fmt: skip
     assert len(summary["comparison"]["adaptive_vs_best_fixed"]) == 2
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
+    # Interleaved: every mode runs a level before any mode runs the next one.
+    order = summary["order"]
+    assert len(order) == 2 * 2 * 3
+    for start in range(0, len(order), 3):
+        assert {mode for _, _, mode in order[start : start + 3]} == {"fixed:1", "fixed:4", "adaptive"}
+        assert len({(phase, c) for phase, c, _ in order[start : start + 3]}) == 1

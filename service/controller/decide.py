@@ -15,7 +15,8 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
 - b = 1 (plain decoding) is always a candidate; b never exceeds the draft's block;
 - hysteresis: the table changes only for a gain above ``switch_margin``;
 - exploration: a bucket with traffic whose neighbouring candidates, or b = 1,
-  have no or stale measurements runs one of them until it has ``min_steps``
+  have no or stale measurements (stale: not run during ``explore_after_s`` of
+  the bucket's own decoding) runs one of them until it has ``min_steps``
   steps, so the estimates never freeze; only candidates estimated within
   ``explore_margin`` of the chosen block are tried (a trial lasts at least one
   controller interval, and re-measuring a clearly worse block costs more
@@ -53,7 +54,10 @@ class ControllerSettings:
     min_steps: steps a (bucket, b) cell needs before its time is trusted.
     min_verified: verified drafts a position needs before its survival is trusted.
     switch_margin: relative goodput gain required to change a bucket's block size.
-    explore_after_s: a neighbouring candidate measured longer ago than this is re-measured.
+    explore_after_s: a neighbouring candidate not run during this many seconds of
+        its bucket's own decoding is re-measured (idle time does not count: traffic
+        that returns after a pause runs on the last estimates instead of re-trying
+        every neighbour at once).
     explore_margin: only candidates whose estimated goodput is at least (1 - this)
         times the chosen block's are explored.
     prior_slope: assumed extra step time per extra block token, relative to the
@@ -270,7 +274,7 @@ def _stale_candidate(
         and (
             (bucket, b) not in cells
             or cells[(bucket, b)].samples < settings.min_steps
-            or now - cells[(bucket, b)].last_update > settings.explore_after_s
+            or state.estimates.busy_since((bucket, b)) > settings.explore_after_s
         )
     ]
     if not stale:

@@ -55,6 +55,8 @@ class Estimates:
     step_time: dict[Cell, Decayed] = field(default_factory=dict)
     survival: dict[int, Decayed] = field(default_factory=dict)
     baseline: Observation | None = None
+    busy: dict[str, float] = field(default_factory=dict)  # bucket -> step seconds ever served
+    busy_at_update: dict[Cell, float] = field(default_factory=dict)  # the bucket's busy seconds when the cell last ran
 
     def update(self, obs: Observation, half_life_s: float) -> None:
         """Fold the counter deltas since the previous observation in."""
@@ -62,14 +64,27 @@ class Estimates:
         if previous is None or _restarted(previous, obs):
             return
         decay = 0.5 ** (max(0.0, obs.time - previous.time) / half_life_s)
+        deltas = {}
         for cell in set(self.step_time) | set(obs.step_seconds):
             now_sum, now_count = obs.step_seconds.get(cell, (0.0, 0.0))
             old_sum, old_count = previous.step_seconds.get(cell, (0.0, 0.0))
-            self.step_time.setdefault(cell, Decayed()).add(now_sum - old_sum, now_count - old_count, obs.time, decay)
+            deltas[cell] = (now_sum - old_sum, now_count - old_count)
+            self.busy[cell[0]] = self.busy.get(cell[0], 0.0) + max(0.0, now_sum - old_sum)
+        for cell, (seconds, steps) in deltas.items():
+            self.step_time.setdefault(cell, Decayed()).add(seconds, steps, obs.time, decay)
+            if steps > 0:
+                self.busy_at_update[cell] = self.busy[cell[0]]
         for k in set(self.survival) | set(obs.verified):
             verified = obs.verified.get(k, 0.0) - previous.verified.get(k, 0.0)
             accepted = obs.accepted.get(k, 0.0) - previous.accepted.get(k, 0.0)
             self.survival.setdefault(k, Decayed()).add(accepted, verified, obs.time, decay)
+
+    def busy_since(self, cell: Cell) -> float:
+        """Seconds the cell's bucket has decoded since the cell last ran (inf if
+        never): its staleness counted in the bucket's own traffic, not in idle time."""
+        if cell not in self.busy_at_update:
+            return float("inf")
+        return self.busy.get(cell[0], 0.0) - self.busy_at_update[cell]
 
     def measured_survival(self, position: int, min_verified: float) -> float | None:
         """S_k where at least ``min_verified`` (undecayed) drafts were verified, else None."""

@@ -108,5 +108,8 @@ class ControllerLoop:
             self._thread.join(self.interval_s + 5)
 
     def _run(self) -> None:
+        # Decide at once: after a start-up profile the first requests already
+        # run the profile's policy, not the draft's full block.
+        self.tick()
         while not self._stop.wait(self.interval_s):
             self.tick()
