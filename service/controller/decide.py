@@ -164,13 +164,38 @@ def _choose(goodput: dict[int, float], current: int, settings: ControllerSetting
     return current, f"keep b={current} (best b={best} within margin)"
 
 
-def _measured(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
+def _live(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
+    """Mean step time of the bucket's cells with enough live steps."""
     cells = state.estimates.step_time
     return {
         b: cells[(bucket, b)].mean
         for b in settings.allowed
         if (bucket, b) in cells and cells[(bucket, b)].samples >= settings.min_steps and cells[(bucket, b)].count > 0
     }
+
+
+def _profile_level(state: ControllerState, settings: ControllerSettings, bucket: str) -> float:
+    """Live over profiled step time: the median ratio over the bucket's cells
+    measured both ways, else over every bucket's, else 1."""
+    profile = state.estimates.profile
+
+    def ratios(buckets: tuple[str, ...]) -> list[float]:
+        return [t / profile[(k, b)] for k in buckets for b, t in _live(state, settings, k).items() if (k, b) in profile]
+
+    return _median(ratios((bucket,)), _median(ratios(BUCKETS), 1.0))
+
+
+def _measured(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
+    """Step times of the bucket's measured cells: live where trusted, else the
+    start-up profile scaled to the live level (serving adds CPU contention the
+    profile did not see: on 2 cores live steps ran up to 3x the profiled time,
+    and an unscaled profiled block looked better than a live-measured one)."""
+    profile = state.estimates.profile
+    profiled = {b: profile[(bucket, b)] for b in settings.allowed if (bucket, b) in profile}
+    if not profiled:
+        return _live(state, settings, bucket)
+    level = _profile_level(state, settings, bucket)
+    return {**{b: t * level for b, t in profiled.items()}, **_live(state, settings, bucket)}
 
 
 def _fit(points: dict[int, float]) -> tuple[float, float]:

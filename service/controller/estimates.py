@@ -55,6 +55,8 @@ class Estimates:
     step_time: dict[Cell, Decayed] = field(default_factory=dict)
     survival: dict[int, Decayed] = field(default_factory=dict)
     baseline: Observation | None = None
+    profile: dict[Cell, float] = field(default_factory=dict)  # start-up profile: mean step time per cell
+    profile_pending: bool = False  # the next observation's step times are the start-up profile
     busy: dict[str, float] = field(default_factory=dict)  # bucket -> step seconds ever served
     busy_at_update: dict[Cell, float] = field(default_factory=dict)  # the bucket's busy seconds when the cell last ran
 
@@ -64,6 +66,15 @@ class Estimates:
         if previous is None or _restarted(previous, obs):
             return
         decay = 0.5 ** (max(0.0, obs.time - previous.time) / half_life_s)
+        if self.profile_pending:
+            # Timed before serving, without the HTTP side competing for the CPU: its
+            # cells give the shape of t(b), not the level live steps run at.
+            self.profile_pending = False
+            for cell, (seconds, steps) in obs.step_seconds.items():
+                old_seconds, old_steps = previous.step_seconds.get(cell, (0.0, 0.0))
+                if steps > old_steps:
+                    self.profile[cell] = (seconds - old_seconds) / (steps - old_steps)
+            return
         deltas = {}
         for cell in set(self.step_time) | set(obs.step_seconds):
             now_sum, now_count = obs.step_seconds.get(cell, (0.0, 0.0))

@@ -49,9 +49,9 @@ class ControllerLoop:
     pushed when it changes and, with ``repush_s``, again once the last push is
     that old (replicas that restarted or were added get it too).
     ``counters_from_zero``: the observed counters started with this controller
-    (in-process), so everything in the first observation counts, e.g. the
-    start-up profile; otherwise (a replica's history of unknown age) the first
-    observation is only the baseline."""
+    (in-process), so the first observation holds what ran before it, the
+    start-up profile, kept as the step-time shape; otherwise (a replica's
+    history of unknown age) the first observation is only the baseline."""
 
     def __init__(
         self,
@@ -70,6 +70,7 @@ class ControllerLoop:
         self.state = ControllerState.initial(min(initial_block_size, settings.max_block_size))
         if counters_from_zero:
             self.state.estimates.baseline = Observation(clock(), {}, {}, {})
+            self.state.estimates.profile_pending = True
         self.interval_s, self.repush_s, self.clock = interval_s, repush_s, clock
         self.pushed: BlockPolicy | None = None
         self._pushed_at = float("-inf")
