@@ -88,33 +88,40 @@ def turns(modes: list[str], level: int) -> list[str]:
 
 
 async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[list]]:
-    """A warm-up pass, then the measured pass, each level run by every mode in
-    turn: one summary per mode and level, and the (pass, concurrency, mode)
+    """A warm-up pass, then ``args.repeats`` measured passes, each level run by
+    every mode in turn: one summary per mode and level (tokens/s averaged over
+    the passes, each pass's value kept), and the (pass, concurrency, mode)
     order the levels ran in."""
     texts = [p.text for p in humaneval()]
-    results: dict[str, list[dict]] = {name: [] for name in urls}
+    runs: dict[str, list[list[dict]]] = {name: [[] for _ in args.concurrency] for name in urls}
     order: list[list] = []
     clients = {name: openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
                for name, url in urls.items()}  # fmt: skip
     try:
         models = {name: (await client.models.list()).data[0].id for name, client in clients.items()}
-        for measured in (False, True):
+        for phase in ["warm-up"] + [f"measured {r + 1}" for r in range(args.repeats)]:
+            per_level = args.warmup_requests_per_level if phase == "warm-up" else args.requests_per_level
             for i, concurrency in enumerate(args.concurrency):
-                count = (args.requests_per_level if measured else args.warmup_requests_per_level) * concurrency
-                prompts = [texts[j % len(texts)] for j in range(max(2, count))]
+                prompts = [texts[j % len(texts)] for j in range(max(2, per_level * concurrency))]
                 for name in turns(list(urls), i):
                     level = await run_level(clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0,
                                             args.repetition_penalty)  # fmt: skip
-                    order.append(["measured" if measured else "warm-up", concurrency, name])
-                    if measured:
-                        results[name].append(level.summary())
-                        print(
-                            f"c={concurrency} {name}: {results[name][-1]['output_tokens_per_s']:.1f} tok/s", flush=True
-                        )
+                    order.append([phase, concurrency, name])
+                    if phase != "warm-up":
+                        runs[name][i].append(level.summary())
+                        print(f"{phase} c={concurrency} {name}: {runs[name][i][-1]['output_tokens_per_s']:.1f} tok/s",
+                              flush=True)  # fmt: skip
     finally:
         for client in clients.values():
             await client.close()
-    return results, order
+    return {name: [average_passes(passes) for passes in levels] for name, levels in runs.items()}, order
+
+
+def average_passes(passes: list[dict]) -> dict:
+    """One level's summary over repeated passes: the last pass's latencies,
+    tokens/s averaged, and every pass's tokens/s."""
+    values = [p["output_tokens_per_s"] for p in passes]
+    return {**passes[-1], "output_tokens_per_s": sum(values) / len(values), "output_tokens_per_s_passes": values}
 
 
 def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--warmup-requests-per-level", type=int, default=2, help="warm-up requests = this x concurrency"
     )
+    parser.add_argument("--repeats", type=int, default=1, help="measured passes; tokens/s averaged over them")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)

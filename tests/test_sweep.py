@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from service.sweep import Mode, compare, main, turns
+from service.sweep import Mode, average_passes, compare, main, turns
 
 
 def test_modes_parse_to_server_flags():
@@ -28,6 +28,12 @@ def test_modes_take_turns_with_a_rotating_first():
     ]
 
 
+def test_repeated_passes_average_tokens_per_second():
+    passes = [{"output_tokens_per_s": 10.0, "ttft_p50_s": 1.0}, {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0}]
+    assert average_passes(passes) == {"output_tokens_per_s": 15.0, "output_tokens_per_s_passes": [10.0, 20.0],
+                                      "ttft_p50_s": 2.0}  # fmt: skip
+
+
 def test_comparison_ratios():
     tps = {"fixed:1": [10, 40], "fixed:16": [20, 10], "adaptive": [19, 38]}
     results = {name: [{"output_tokens_per_s": v} for v in values] for name, values in tps.items()}
@@ -39,7 +45,7 @@ def test_comparison_ratios():
 def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     target, draft = served_pair_dirs
     main(["--target", str(target), "--draft", str(draft), "--modes", "fixed:1", "fixed:4", "adaptive",
-          "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "6",
+          "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "6", "--repeats", "2",
           "--plot", str(tmp_path / "sweep.png")])  # fmt: skip
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["levels"]) == {"fixed:1", "fixed:4", "adaptive"}
@@ -49,7 +55,9 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
     # Interleaved: every mode runs a level before any mode runs the next one.
     order = summary["order"]
-    assert len(order) == 2 * 2 * 3
+    assert [phase for phase, _, _ in order[::6]] == ["warm-up", "measured 1", "measured 2"]
+    assert all(len(level["output_tokens_per_s_passes"]) == 2 for level in summary["levels"]["adaptive"])
+    assert len(order) == 3 * 2 * 3
     for start in range(0, len(order), 3):
         assert {mode for _, _, mode in order[start : start + 3]} == {"fixed:1", "fixed:4", "adaptive"}
         assert len({(phase, c) for phase, c, _ in order[start : start + 3]}) == 1
