@@ -66,21 +66,19 @@ class Estimates:
         if previous is None or _restarted(previous, obs):
             return
         decay = 0.5 ** (max(0.0, obs.time - previous.time) / half_life_s)
-        if self.profile_pending:
-            # Timed before serving, without the HTTP side competing for the CPU: its
-            # cells give the shape of t(b), not the level live steps run at.
-            self.profile_pending = False
-            for cell, (seconds, steps) in obs.step_seconds.items():
-                old_seconds, old_steps = previous.step_seconds.get(cell, (0.0, 0.0))
-                if steps > old_steps:
-                    self.profile[cell] = (seconds - old_seconds) / (steps - old_steps)
-            return
         deltas = {}
         for cell in set(self.step_time) | set(obs.step_seconds):
             now_sum, now_count = obs.step_seconds.get(cell, (0.0, 0.0))
             old_sum, old_count = previous.step_seconds.get(cell, (0.0, 0.0))
             deltas[cell] = (now_sum - old_sum, now_count - old_count)
-            self.busy[cell[0]] = self.busy.get(cell[0], 0.0) + max(0.0, now_sum - old_sum)
+        if self.profile_pending:
+            # Timed before serving, without the HTTP side competing for the CPU: its
+            # cells give the shape of t(b), not the level live steps run at.
+            self.profile_pending = False
+            self.profile.update({cell: seconds / steps for cell, (seconds, steps) in deltas.items() if steps > 0})
+            return
+        for (bucket, _), (seconds, _) in deltas.items():
+            self.busy[bucket] = self.busy.get(bucket, 0.0) + max(0.0, seconds)
         for cell, (seconds, steps) in deltas.items():
             self.step_time.setdefault(cell, Decayed()).add(seconds, steps, obs.time, decay)
             if steps > 0:
