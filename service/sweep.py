@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--controller-interval-s", type=float, default=2.0)
     parser.add_argument("--plot", type=Path, help="write the PNG here")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     modes = [Mode.parse(m, args.controller_interval_s) for m in args.modes]
     processes: list[subprocess.Popen] = []
     try:

@@ -34,6 +34,12 @@ def test_repeated_passes_average_tokens_per_second():
                                       "ttft_p50_s": 2.0}  # fmt: skip
 
 
+def test_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
 def test_comparison_ratios():
     tps = {"fixed:1": [10, 40], "fixed:16": [20, 10], "adaptive": [19, 38]}
     results = {name: [{"output_tokens_per_s": v} for v in values] for name, values in tps.items()}
