@@ -301,6 +301,34 @@ def test_counter_reset_is_a_new_baseline():
     assert decision.policy.block_size(1) >= 1
 
 
+def test_a_torn_counter_read_is_not_a_step_time():
+    # _count from a newer scrape than _sum: 50 steps in 0 s. It used to give a
+    # zero step time and a ZeroDivisionError that killed the controller thread.
+    settings = ControllerSettings(min_steps=5)
+    state = ControllerState.initial(16)
+    state.estimates.update(Observation(0.0, {}, {}, {}), settings.half_life_s)
+    cells = {("1", 16): (0.0, 50.0), ("1", 8): (1.0, 50.0)}
+    decision, _ = decide(Observation(1.0, cells, {}, {}), state, settings)
+    assert decision.goodput["1"][16] > 0 and decision.goodput["1"][8] == pytest.approx(50.0)
+
+
+def test_loop_survives_a_failing_decision(monkeypatch):
+    import service.controller.loop as loop_module
+
+    def broken(*args):
+        raise RuntimeError("bug")
+
+    registry = CollectorRegistry()
+    engine = SimulatedEngine(batches=(1,))
+    loop = ControllerLoop(lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)), lambda policy: None,
+                          ControllerSettings(), 16, ControllerMetrics(registry), clock=lambda: engine.now)  # fmt: skip
+    monkeypatch.setattr(loop_module, "decide", broken)
+    assert loop.tick() is None
+    assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "decide"}) == 1
+    monkeypatch.undo()
+    assert loop.tick() is not None
+
+
 def test_decide_is_pure():
     settings = ControllerSettings()
     engine = SimulatedEngine(batches=(1,))

@@ -165,12 +165,16 @@ def _choose(goodput: dict[int, float], current: int, settings: ControllerSetting
 
 
 def _live(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
-    """Mean step time of the bucket's cells with enough live steps."""
+    """Mean step time of the bucket's cells with enough live steps (a mean that
+    is not positive is a torn read of the counters, not a measurement)."""
     cells = state.estimates.step_time
     return {
         b: cells[(bucket, b)].mean
         for b in settings.allowed
-        if (bucket, b) in cells and cells[(bucket, b)].samples >= settings.min_steps and cells[(bucket, b)].count > 0
+        if (bucket, b) in cells
+        and cells[(bucket, b)].samples >= settings.min_steps
+        and cells[(bucket, b)].count > 0
+        and cells[(bucket, b)].mean > 0
     }
 
 

@@ -85,7 +85,12 @@ class ControllerLoop:
             self.metrics.errors.labels("observe").inc()
             log.warning("controller keeps the last policy: %s", exc)
             return None
-        decision, self.state = decide(observation, self.state, self.settings)
+        try:
+            decision, self.state = decide(observation, self.state, self.settings)
+        except Exception:  # a bug must not stop the thread and freeze the policy unnoticed
+            self.metrics.errors.labels("decide").inc()
+            log.exception("controller decision failed; keeping the last policy")
+            return None
         self.metrics.export(decision)
         changed = decision.policy != self.pushed
         stale = self.repush_s is not None and self.clock() - self._pushed_at >= self.repush_s

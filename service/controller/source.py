@@ -5,6 +5,7 @@ instant queries summed over every scraped replica)."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 
 import httpx2
@@ -61,8 +62,12 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
     steps: dict[tuple[str, int], list[float]] = {}
     accepted: dict[int, float] = {}
     verified: dict[int, float] = {}
+    # One evaluation time for all four queries: evaluated at "now" one after the
+    # other, a histogram's _sum and _count could come from different scrapes
+    # (a cell once read as 0 s over 2 steps).
+    at = time.time()
     for name, query in queries.items():
-        for series in instant_query(base_url, query, timeout):
+        for series in instant_query(base_url, query, timeout, at):
             try:
                 value = float(series["value"][1])
             except (KeyError, TypeError, IndexError, ValueError) as exc:
@@ -71,10 +76,12 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
     return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
 
 
-def instant_query(base_url: str, query: str, timeout: float = 5.0) -> list[dict]:
-    """The result vector of a PromQL instant query; SourceError on any failure."""
+def instant_query(base_url: str, query: str, timeout: float = 5.0, at: float | None = None) -> list[dict]:
+    """The result vector of a PromQL instant query, evaluated at Unix time ``at``
+    (default: Prometheus' now); SourceError on any failure."""
+    params = {"query": query} if at is None else {"query": query, "time": f"{at:.3f}"}
     try:
-        response = httpx2.get(base_url.rstrip("/") + "/api/v1/query", params={"query": query}, timeout=timeout)
+        response = httpx2.get(base_url.rstrip("/") + "/api/v1/query", params=params, timeout=timeout)
         response.raise_for_status()
         payload = response.json()
         if payload.get("status") != "success":
