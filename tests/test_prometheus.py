@@ -84,7 +84,7 @@ def test_controller_reads_prometheus_and_pushes_to_every_replica(model, tmp_path
 # the test flipped between them.
 HEAVY = dict(vocab=320, hidden_size=512, intermediate_size=16384, num_attention_heads=8, head_dim=64)
 LOAD_PROMPTS, PROMPT_LEN, RESPONSE_LEN = 32, 8, 64
-DISTILL_STEPS, ALONE_S, CROWDED_S = 150, 15.0, 45.0
+DISTILL_STEPS, ALONE_S, CROWDED_S = 150, 30.0, 45.0
 HOLD_LOAD = Path(__file__).with_name("hold_load.py")
 
 
@@ -121,7 +121,7 @@ def test_policy_follows_concurrency_through_prometheus(heavy_pair, tmp_path):
     moves the crowded bucket to a smaller one."""
     model, prompts = heavy_pair
     server, engine = make_server(model, admin_key="k", max_batch_size=16)
-    settings = ControllerSettings(candidates=(1, 2, 4, 8, 16), max_block_size=16, half_life_s=20.0, min_steps=5.0,
+    settings = ControllerSettings(candidates=(1, 2, 4, 8, 16), max_block_size=16, half_life_s=20.0, min_steps=10.0,
                                   min_verified=20.0, explore_after_s=8.0)  # fmt: skip
     registry = CollectorRegistry()
     with server as url, PrometheusServer(tmp_path, [url], scrape_interval="500ms") as prometheus:
