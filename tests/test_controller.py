@@ -18,11 +18,12 @@ from service.controller import (
     decide,
     expected_acceptance_length,
 )
+from service.controller.estimates import Estimates
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.profile import profile_step_times
 from service.controller.source import SourceError, observation_from_text
 from service.metrics import Metrics, batch_bucket
-from speculative.session import DecodeSession
+from speculative.session import DecodeSession, RoundStats
 
 ALPHA = 0.8  # true per-position survival ratio: S_k = ALPHA ** k
 SLOPE = {1: 0.04, 4: 0.12, 16: 0.5, 32: 1.2}  # extra step time per extra block token, relative
@@ -243,6 +244,51 @@ def test_a_start_up_profile_gives_the_shape_and_live_steps_the_level():
     assert set(blocks) == {1, 2} and state.decided("1") == 1, blocks
 
 
+def test_profiled_drafting_blocks_scale_with_live_drafting_steps_not_plain_ones():
+    # Serving slows drafting steps more than plain ones (bundled pair, two
+    # requests: live b = 1 at 1.2x its profiled time, b = 8 and 16 at 1.5x).
+    # Bucket 2-3 has run only plain decoding live; its profiled b = 8 must take
+    # the drafting level bucket 1 measured (1.5x), not its own plain level (1.2x,
+    # which made b = 8 look 14 % better than plain decoding in a served run).
+    settings = ControllerSettings(min_steps=1, min_verified=1)
+    state = ControllerState.initial(1)
+    profiled = {1: 0.010, 2: 0.012, 4: 0.013, 8: 0.015, 16: 0.020}
+    state.estimates.profile = {(bucket, b): t for bucket in ("1", "2-3") for b, t in profiled.items()}
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    live = {("1", 1): 1.2, ("1", 2): 1.5, ("2-3", 1): 1.2}
+    cells = {cell: (100 * level * profiled[cell[1]], 100.0) for cell, level in live.items()}
+    decision, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}), state, settings)
+    survival = state.estimates.survival_curve(15, settings.min_verified)
+    for bucket in ("1", "2-3"):
+        t8 = expected_acceptance_length(survival, 8) / decision.goodput[bucket][8]
+        assert t8 == pytest.approx(1.5 * profiled[8]), bucket
+    assert decision.goodput["2-3"][1] == pytest.approx(1 / (1.2 * profiled[1]))
+
+
+def test_survival_never_rises_and_a_lucky_tail_is_not_stretched_over_the_block():
+    # Measured in a served run (positions 3+ on few trial steps of other blocks):
+    # S = 0.32, 0.09, 0.14, 0.07, 0.07, 0.07. Continuing the last ratio (1.0) put
+    # 0.07 at every position to 15: b = 16 was chosen at two requests and ran
+    # 36 % below plain decoding.
+    measured = [0.32, 0.09, 0.14, 0.07, 0.07, 0.07]
+    estimates = Estimates()
+    estimates.update(Observation(0.0, {}, {}, {}), half_life_s=60.0)
+    verified = dict.fromkeys(range(1, 7), 1000.0)
+    estimates.update(Observation(1.0, {}, {k: 1000.0 * s for k, s in enumerate(measured, 1)}, verified), 60.0)
+    curve = estimates.survival_curve(15, min_verified=50)
+    assert curve[:6] == pytest.approx([0.32, 0.09, 0.09, 0.07, 0.07, 0.07])
+    ratio = (0.07 / 0.32) ** (1 / 5)  # the mean ratio since S_1, below the last one (1.0)
+    assert curve[6:] == pytest.approx([0.07 * ratio**j for j in range(1, 10)])
+    assert expected_acceptance_length(curve, 16) < 1.9  # flat: 2.39
+    # A geometric draft (ratio 0.8 throughout) extrapolates exactly.
+    geometric = Estimates()
+    geometric.update(Observation(0.0, {}, {}, {}), half_life_s=60.0)
+    geometric.update(
+        Observation(1.0, {}, {k: 1000.0 * 0.8**k for k in (1, 2, 3)}, dict.fromkeys((1, 2, 3), 1000.0)), 60.0
+    )
+    assert geometric.survival_curve(15, min_verified=50) == pytest.approx([0.8**k for k in range(1, 16)])
+
+
 def test_plain_decoding_is_off_the_drafting_cost_line():
     # Measured: t(1) = 1.0 (no draft forward), t(4) = 1.5 and t(16) = 2.1 on the
     # drafting line a + c (b - 1) with a = 1.35, c = 0.05. The estimate for b = 2
@@ -451,6 +497,42 @@ def test_startup_profile_seeds_step_times_for_idle_buckets(model):
 
     assert "no measurements" not in first_decision(True).reasons["8-15"]
     assert first_decision(False).reasons["8-15"] == "no measurements"
+
+
+class _ShapeTimedSession:
+    """A session stand-in whose first step at each (rows, block) shape takes 1 s
+    and later ones 10 ms; it records the block of every step."""
+
+    max_block_size = 16
+    target = type("Target", (), {"vocab_size": 100})()
+
+    def __init__(self) -> None:
+        self.rows, self.shapes, self.blocks = 0, set(), []
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def add(self, keys, prompts, params) -> None:
+        self.rows = len(keys)
+
+    def remove(self, keys) -> None:
+        self.rows = 0
+
+    def step(self, b: int):
+        seconds = 0.01 if (self.rows, b) in self.shapes else 1.0
+        self.shapes.add((self.rows, b))
+        self.blocks.append(b)
+        return RoundStats(self.rows, b, [1] * self.rows, [0] * (b - 1), [self.rows] * (b - 1), 0.0, seconds), {}
+
+
+def test_startup_profile_takes_block_sizes_in_turns_and_skips_first_steps():
+    # In turns, drift on a shared machine (1.5x within seconds) moves every block
+    # alike; the first step at a new shape pays one-off costs and is not reported.
+    session, seen = _ShapeTimedSession(), []
+    profile_step_times(session, lambda stats, seconds: seen.append((stats.batch_size, stats.block_size, seconds)),
+                       batch_sizes=(1, 2), block_sizes=(1, 4, 32), steps=3)  # fmt: skip
+    assert seen == [(batch, b, 0.01) for batch in (1, 2) for _ in range(3) for b in (1, 4)]
+    assert session.blocks == [1, 4] * 4 * 2 and len(session) == 0
 
 
 def test_loop_repushes_an_unchanged_policy_when_asked():
