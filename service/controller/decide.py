@@ -201,22 +201,16 @@ def _profile_level(state: ControllerState, settings: ControllerSettings, bucket:
     b = 8 look 14 % better than plain decoding, and it measured 20 % worse)."""
     profile = state.estimates.profile
 
-    def ratios(buckets: tuple[str, ...], kinds: tuple[bool, ...]) -> list[float]:
+    def ratios(buckets: tuple[str, ...], kind: bool | None) -> list[float]:  # kind None: either
         return [
             t / profile[(k, b)]
             for k in buckets
             for b, t in _live(state, settings, k).items()
-            if (k, b) in profile and (b == 1) in kinds
+            if (k, b) in profile and kind in (None, b == 1)
         ]
 
-    for buckets, kinds in (
-        ((bucket,), (plain,)),
-        (BUCKETS, (plain,)),
-        ((bucket,), (True, False)),
-        (BUCKETS, (True, False)),
-    ):
-        found = ratios(buckets, kinds)
-        if found:
+    for buckets, kind in (((bucket,), plain), (BUCKETS, plain), ((bucket,), None), (BUCKETS, None)):
+        if found := ratios(buckets, kind):
             return _median(found, 1.0)
     return 1.0
 

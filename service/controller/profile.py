@@ -31,10 +31,10 @@ def profile_step_times(
     times drift by 1.5x within seconds (bundled pair, batch 1: 20-step runs of
     b = 8 read 11.9 and 18.3 ms 20 s apart, and one pass timed b = 8 slower than
     b = 16), so timing each block in its own run compared blocks under different
-    conditions; in turns,
-    drift moves every block alike and the shape of t(b) survives. Each block's
-    first step is not reported: the first step at a new shape pays one-off costs
-    (kernel selection, buffer growth). ``session`` must be empty and is left empty."""
+    conditions; in turns, drift moves every block alike and the shape of t(b)
+    survives. Each block's first step is not reported: the first step at a new
+    shape pays one-off costs (kernel selection, buffer growth). ``session`` must
+    be empty and is left empty."""
     if len(session):
         raise ValueError("profile an idle session")
     generator = torch.Generator().manual_seed(seed)
