@@ -179,15 +179,13 @@ def _choose(goodput: dict[int, float], current: int, settings: ControllerSetting
 
 def _live(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
     """Mean step time of the bucket's cells with enough live steps (a mean that
-    is not positive is a torn read of the counters, not a measurement)."""
+    is not positive is a torn read of the counters, not a measurement; a cell
+    whose decayed count is 0 has a NaN mean, which fails the same test)."""
     cells = state.estimates.step_time
     return {
         b: cells[(bucket, b)].mean
         for b in settings.allowed
-        if (bucket, b) in cells
-        and cells[(bucket, b)].samples >= settings.min_steps
-        and cells[(bucket, b)].count > 0
-        and cells[(bucket, b)].mean > 0
+        if (bucket, b) in cells and cells[(bucket, b)].samples >= settings.min_steps and cells[(bucket, b)].mean > 0
     }
 
 
@@ -200,12 +198,13 @@ def _profile_level(state: ControllerState, settings: ControllerSettings, bucket:
     b = 1 ran 1.2x its profiled time, b = 8 and 16 1.5x; one shared ratio made
     b = 8 look 14 % better than plain decoding, and it measured 20 % worse)."""
     profile = state.estimates.profile
+    live = {k: _live(state, settings, k) for k in BUCKETS}
 
     def ratios(buckets: tuple[str, ...], kind: bool | None) -> list[float]:  # kind None: either
         return [
             t / profile[(k, b)]
             for k in buckets
-            for b, t in _live(state, settings, k).items()
+            for b, t in live[k].items()
             if (k, b) in profile and kind in (None, b == 1)
         ]
 
