@@ -13,7 +13,9 @@ by up to 2x within minutes (two identical back-to-back runs on our 2-core VM:
 modes measured minutes apart. Idle servers use no CPU.
 Output: a table of output tokens/s per mode and concurrency with
 adaptive / best fixed per level and adaptive / fixed-b16 averaged over the
-sweep, one JSON line, and a PNG plot.
+sweep, the adaptive server's engine time per block size at each level (from
+its ``dflash_step_seconds`` counters, scraped around every level), one JSON
+line, and a PNG plot.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from pathlib import Path
 import httpx2
 import openai
 
+from service.controller.estimates import Observation
+from service.controller.source import scrape_replicas
 from service.loadgen import run_level
 from speculative.bench.datasets import humaneval
 
@@ -104,24 +108,54 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[
             for i, concurrency in enumerate(args.concurrency):
                 prompts = [texts[j % len(texts)] for j in range(max(2, per_level * concurrency))]
                 for name in turns(list(urls), i):
+                    before = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
                     level = await run_level(clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0,
                                             args.repetition_penalty)  # fmt: skip
+                    after = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
                     order.append([phase, concurrency, name])
                     if phase != "warm-up":
-                        runs[name][i].append(level.summary())
-                        print(f"{phase} c={concurrency} {name}: {runs[name][i][-1]['output_tokens_per_s']:.1f} tok/s",
-                              flush=True)  # fmt: skip
+                        summary = {**level.summary(), "step_seconds_by_block": step_seconds_by_block(before, after)}
+                        runs[name][i].append(summary)
+                        print(
+                            f"{phase} c={concurrency} {name}: {summary['output_tokens_per_s']:.1f} tok/s, "
+                            f"step time by block {block_mix(summary['step_seconds_by_block'])}",
+                            flush=True,
+                        )
     finally:
         for client in clients.values():
             await client.close()
     return {name: [average_passes(passes) for passes in levels] for name, levels in runs.items()}, order
 
 
+def step_seconds_by_block(before: Observation, after: Observation) -> dict[int, float]:
+    """Engine step seconds per block size between two scrapes of one server,
+    summed over batch buckets: which blocks a level actually ran (for the
+    adaptive server, how much of it went to trials and to each choice)."""
+    seconds: dict[int, float] = {}
+    for (bucket, b), (total, _) in after.step_seconds.items():
+        spent = total - before.step_seconds.get((bucket, b), (0.0, 0.0))[0]
+        if spent > 0:
+            seconds[b] = seconds.get(b, 0.0) + spent
+    return dict(sorted(seconds.items()))
+
+
+def block_mix(seconds: dict[int, float]) -> str:
+    """``{1: 3.0, 4: 1.0}`` -> ``"b1 75%, b4 25%"``."""
+    total = sum(seconds.values())
+    return ", ".join(f"b{b} {s / total:.0%}" for b, s in seconds.items()) if total else "none"
+
+
 def average_passes(passes: list[dict]) -> dict:
     """One level's summary over repeated passes: the last pass's latencies,
-    tokens/s averaged, and every pass's tokens/s."""
+    tokens/s averaged, every pass's tokens/s, and step seconds per block summed
+    over the passes."""
     values = [p["output_tokens_per_s"] for p in passes]
-    return {**passes[-1], "output_tokens_per_s": sum(values) / len(values), "output_tokens_per_s_passes": values}
+    blocks: dict[int, float] = {}
+    for p in passes:
+        for b, s in p.get("step_seconds_by_block", {}).items():
+            blocks[b] = blocks.get(b, 0.0) + s
+    return {**passes[-1], "output_tokens_per_s": sum(values) / len(values), "output_tokens_per_s_passes": values,
+            "step_seconds_by_block": dict(sorted(blocks.items()))}  # fmt: skip
 
 
 def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
@@ -199,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<12}" + "".join(f"{v:>9.1f}" for v in values))
     if "adaptive_vs_best_fixed" in comparison:
         print(f"{'adapt/best':<12}" + "".join(f"{r:>9.2f}" for r in comparison["adaptive_vs_best_fixed"]))
+    if "adaptive" in results:
+        for concurrency, level in zip(args.concurrency, results["adaptive"], strict=True):
+            print(f"adaptive c={concurrency}: step time by block {block_mix(level['step_seconds_by_block'])}")
     if "adaptive_vs_fixed16_mean" in comparison:
         print(f"adaptive / fixed:16, mean over the sweep: {comparison['adaptive_vs_fixed16_mean']:.2f}")
     if args.plot:

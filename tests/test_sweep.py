@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from service.sweep import Mode, average_passes, compare, main, turns
+from service.controller.estimates import Observation
+from service.sweep import Mode, average_passes, block_mix, compare, main, step_seconds_by_block, turns
 
 
 def test_modes_parse_to_server_flags():
@@ -28,10 +29,21 @@ def test_modes_take_turns_with_a_rotating_first():
     ]
 
 
-def test_repeated_passes_average_tokens_per_second():
-    passes = [{"output_tokens_per_s": 10.0, "ttft_p50_s": 1.0}, {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0}]
+def test_repeated_passes_average_tokens_per_second_and_sum_block_time():
+    passes = [{"output_tokens_per_s": 10.0, "ttft_p50_s": 1.0, "step_seconds_by_block": {1: 2.0, 4: 1.0}},
+              {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 3.0}}]  # fmt: skip
     assert average_passes(passes) == {"output_tokens_per_s": 15.0, "output_tokens_per_s_passes": [10.0, 20.0],
-                                      "ttft_p50_s": 2.0}  # fmt: skip
+                                      "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 5.0, 4: 1.0}}  # fmt: skip
+
+
+def test_step_seconds_by_block_sums_buckets_between_scrapes():
+    before = Observation(0.0, {("1", 1): (2.0, 10), ("1", 4): (1.0, 3)}, {}, {})
+    after = Observation(0.0, {("1", 1): (5.0, 20), ("2-3", 1): (1.5, 4), ("1", 4): (1.0, 3), ("2-3", 8): (0.5, 1)},
+                        {}, {})  # fmt: skip
+    seconds = step_seconds_by_block(before, after)
+    assert seconds == {1: pytest.approx(4.5), 8: pytest.approx(0.5)}  # b = 4 did not run in between
+    assert block_mix(seconds) == "b1 90%, b8 10%"
+    assert block_mix({}) == "none"
 
 
 def test_repeats_must_be_positive(capsys):
@@ -63,6 +75,9 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     order = summary["order"]
     assert [phase for phase, _, _ in order[::6]] == ["warm-up", "measured 1", "measured 2"]
     assert all(len(level["output_tokens_per_s_passes"]) == 2 for level in summary["levels"]["adaptive"])
+    # Each level's engine time is attributed to the block it ran: a fixed server only to its own.
+    assert all(set(level["step_seconds_by_block"]) == {"4"} for level in summary["levels"]["fixed:4"])
+    assert all(sum(level["step_seconds_by_block"].values()) > 0 for level in summary["levels"]["adaptive"])
     assert len(order) == 3 * 2 * 3
     for start in range(0, len(order), 3):
         assert {mode for _, _, mode in order[start : start + 3]} == {"fixed:1", "fixed:4", "adaptive"}
