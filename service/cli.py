@@ -9,7 +9,6 @@ import math
 import sys
 
 import uvicorn
-from prometheus_client import generate_latest
 from transformers import AutoTokenizer
 
 from service.api.app import build_app
@@ -17,7 +16,7 @@ from service.config import ServeSettings
 from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.profile import profile_step_times
-from service.controller.source import observation_from_text
+from service.controller.source import observation_from_collectors
 from service.engine import Engine, NativeEngine, engine_class
 from service.metrics import Metrics
 
@@ -37,12 +36,13 @@ def in_process_controller(
     if engine.max_block_size == 1:
         return None
     return ControllerLoop(
-        observe=lambda now: observation_from_text([generate_latest(metrics.registry).decode()], now),
+        observe=lambda now: observation_from_collectors(metrics.controller_inputs(), now),
         push=engine.set_policy,
         settings=decision or ControllerSettings(max_block_size=engine.max_block_size),
         initial_block_size=engine.policy.block_size(1),
         metrics=ControllerMetrics(metrics.registry),
         interval_s=settings.controller_interval_s,
+        trial_interval_s=settings.controller_trial_interval_s,
         counters_from_zero=True,
     )
 

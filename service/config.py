@@ -33,6 +33,9 @@ class ServeSettings(BaseSettings):
     admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")
     controller: bool = Field(default=True, description="adapt the block size to load in-process")
     controller_interval_s: float = Field(default=10.0, gt=0, description="seconds between controller decisions")
+    controller_trial_interval_s: float = Field(
+        default=0.5, gt=0, description="seconds between decisions while the controller measures a trial block"
+    )
     profile_startup: bool = Field(default=False, description="time a few steps per batch/block size before serving")
     sglang_args: dict[str, Any] = Field(
         default_factory=dict, description="extra sglang.Engine arguments (--engine sglang), JSON: '{\"tp_size\": 2}'"

@@ -73,6 +73,11 @@ class Metrics:
         self.e2e = Histogram("dflash_e2e_request_latency_seconds", "Request latency",
                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
 
+    def controller_inputs(self) -> tuple[Histogram, Counter, Counter]:
+        """The metrics the block-size controller reads (step time per cell,
+        acceptance per position)."""
+        return self.step_seconds, self.accepted_per_position, self.verified_per_position
+
     def observe_step(self, stats: RoundStats, seconds: float) -> None:
         """Account one engine step (called on the scheduler thread)."""
         self.observe_steps(stats, seconds, 1)

@@ -5,6 +5,7 @@ batch bucket, does not flap, explores, stays in bounds, survives restarts."""
 import itertools
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,10 +19,11 @@ from service.controller import (
     decide,
     expected_acceptance_length,
 )
+from service.controller.decide import Trial
 from service.controller.estimates import Estimates
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.profile import profile_step_times
-from service.controller.source import SourceError, observation_from_text
+from service.controller.source import SourceError, observation_from_collectors, observation_from_text
 from service.metrics import Metrics, batch_bucket
 from speculative.session import DecodeSession, RoundStats
 
@@ -306,6 +308,25 @@ def test_a_block_chosen_on_an_estimate_is_a_trial_until_measured_here():
     assert second.table["1"] == 1, second.reasons["1"]
 
 
+def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
+    # b = 2 has 100 old steps; re-measured, one update with 5 new steps does not
+    # end the trial (a trial ended by the first fresh step judged the block on
+    # a handful of steps blended into old ones), 20 do.
+    settings = ControllerSettings(candidates=(1, 2), max_block_size=2, min_steps=20, explore_after_s=1e9)
+    state = ControllerState.initial(1)
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    cells = {("1", 1): (1.0, 100.0), ("1", 2): (1.5, 100.0)}
+    _, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}), state, settings)
+    state.exploring["1"] = Trial(block=2, back_to=1, since=1.0, samples_at_start=100.0)
+    state.table["1"] = 2
+    few = {**cells, ("1", 2): (1.575, 105.0)}
+    decision, state = decide(Observation(1.5, few, {1: 42.0}, {1: 105.0}), state, settings)
+    assert decision.reasons["1"] == "exploring b=2"
+    enough = {**cells, ("1", 2): (1.8, 120.0)}
+    decision, state = decide(Observation(2.0, enough, {1: 48.0}, {1: 120.0}), state, settings)
+    assert "1" not in state.exploring and decision.table["1"] == 1, decision.reasons["1"]
+
+
 def test_plain_decoding_is_off_the_drafting_cost_line():
     # Measured: t(1) = 1.0 (no draft forward), t(4) = 1.5 and t(16) = 2.1 on the
     # drafting line a + c (b - 1) with a = 1.35, c = 0.05. The estimate for b = 2
@@ -458,6 +479,32 @@ def test_loop_decides_as_soon_as_it_starts():
         loop.stop()
 
 
+def test_loop_decides_often_while_a_trial_runs():
+    ticks = []
+
+    def observe(now):
+        ticks.append(now)
+        return Observation(now, {}, {}, {})
+
+    def loop_with(interval_s: float, trial_interval_s: float) -> ControllerLoop:
+        return ControllerLoop(observe, lambda policy: None, ControllerSettings(), 16,
+                              ControllerMetrics(CollectorRegistry()), interval_s=interval_s,
+                              trial_interval_s=trial_interval_s)  # fmt: skip
+
+    loop = loop_with(3600.0, 0.02)
+    assert loop.next_wait_s() == 3600.0
+    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=0.0, samples_at_start=0.0)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(ticks) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+    assert len(ticks) >= 5  # one interval would have allowed a single decision
+    assert loop_with(1.0, 5.0).trial_interval_s == 1.0
+
+
 def test_loop_retries_a_failed_push():
     registry = CollectorRegistry()
     engine = SimulatedEngine(batches=(1,))
@@ -491,6 +538,17 @@ dflash_verified_tokens_per_position_total{position="1"} 100
         observation_from_text(["dflash_step_seconds_count{block_size=8 oops"], now=1.0)
     with pytest.raises(SourceError):
         observation_from_text(['dflash_verified_tokens_per_position_total{position="1"} NaN'], now=1.0)
+
+
+def test_observation_from_metric_objects_equals_the_rendered_text():
+    metrics = Metrics()
+    for batch, b, accepted in ((1, 4, [2, 1, 0]), (3, 8, [3, 2, 2, 1, 0, 0, 0]), (40, 1, [])):
+        stats = RoundStats(batch_size=batch, block_size=b, accepted=[1] * batch, accepted_per_position=accepted,
+                           verified_per_position=[batch] * (b - 1), draft_seconds=0, verify_seconds=0)  # fmt: skip
+        metrics.observe_steps(stats, 0.5, 7)
+    direct = observation_from_collectors(metrics.controller_inputs(), now=3.0)
+    assert direct == observation_from_text([generate_latest(metrics.registry).decode()], now=3.0)
+    assert direct.step_seconds[("2-3", 8)] == (pytest.approx(0.5), 7.0) and direct.accepted[1] == 5.0
 
 
 def test_startup_profile_seeds_step_times_for_idle_buckets(model):

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prometheus-url", help="read counters through PromQL instead of scraping replicas")
     parser.add_argument("--max-block-size", type=int, default=16, help="the draft's trained block")
     parser.add_argument("--interval-s", type=float, default=10.0, help="seconds between decisions")
+    parser.add_argument("--trial-interval-s", type=float,
+                        help="seconds between decisions while a trial runs (default: --interval-s; shorter "
+                             "helps only if the counters are fresher, e.g. scraping replicas directly)")  # fmt: skip
     parser.add_argument("--repush-s", type=float, default=30.0, help="re-send an unchanged policy this often")
     parser.add_argument("--half-life-s", type=float, default=60.0)
     parser.add_argument("--metrics-port", type=int, default=9400)
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_block_size,
         ControllerMetrics(registry),
         interval_s=args.interval_s,
+        trial_interval_s=args.trial_interval_s,
         repush_s=args.repush_s,
     )
     loop.start()

@@ -96,13 +96,25 @@ class ControllerSettings:
         return tuple(sorted(b for b in set(self.candidates) if b <= self.max_block_size))
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A bucket running ``block`` to measure it, then deciding again from
+    ``back_to``; done once the cell has ``min_steps`` steps more than
+    ``samples_at_start`` (a cell measured before needs fresh steps, not one)."""
+
+    block: int
+    back_to: int
+    since: float
+    samples_at_start: float
+
+
 @dataclass
 class ControllerState:
     """What persists between decisions."""
 
     table: dict[str, int]
     estimates: Estimates = field(default_factory=Estimates)
-    exploring: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # bucket -> (trial b, back-to b, since)
+    exploring: dict[str, Trial] = field(default_factory=dict)  # bucket -> its running trial
 
     @classmethod
     def initial(cls, block_size: int) -> ControllerState:
@@ -112,7 +124,7 @@ class ControllerState:
     def decided(self, bucket: str) -> int:
         """The bucket's chosen block: the one a running trial returns to."""
         trial = self.exploring.get(bucket)
-        return trial[1] if trial is not None else self.table[bucket]
+        return trial.back_to if trial is not None else self.table[bucket]
 
 
 @dataclass(frozen=True)
@@ -144,23 +156,23 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         goodput[bucket] = {b: expected_acceptance_length(survival, b) / t for b, t in times.items()}
         trial = state.exploring.get(bucket)
         if trial is not None and not _trial_done(state, settings, bucket, trial, obs.time):
-            reasons[bucket] = f"exploring b={trial[0]}"
+            reasons[bucket] = f"exploring b={trial.block}"
             continue
         state.exploring.pop(bucket, None)
-        back_to = trial[1] if trial is not None else current
+        back_to = trial.back_to if trial is not None else current
         state.table[bucket], reasons[bucket] = _choose(goodput[bucket], back_to, settings)
         live = _live(state, settings, bucket)
         if state.table[bucket] != back_to and state.table[bucket] not in live and live:
             # An estimate is not a measurement: run the new block as a trial and
             # come back to the best block measured here unless it holds up live.
             anchor = max(live, key=goodput[bucket].__getitem__)
-            state.exploring[bucket] = (state.table[bucket], anchor, obs.time)
+            state.exploring[bucket] = _start_trial(state, bucket, state.table[bucket], anchor, obs.time)
             reasons[bucket] += f"; not run here yet: a trial, back to b={anchor} unless it holds up"
             continue
         best_case = {b: expected_acceptance_length(reachable, b) / t for b, t in times.items()}
         trial_b = _stale_candidate(state, settings, bucket, goodput[bucket], best_case, obs.time)
         if trial_b is not None:
-            state.exploring[bucket] = (trial_b, state.table[bucket], obs.time)
+            state.exploring[bucket] = _start_trial(state, bucket, trial_b, state.table[bucket], obs.time)
             reasons[bucket] += f"; exploring b={trial_b}"
             state.table[bucket] = trial_b
     _seed_unmeasured(state, reasons, goodput)
@@ -288,13 +300,15 @@ def _step_times(
     return {**times, **points}
 
 
-def _trial_done(
-    state: ControllerState, settings: ControllerSettings, bucket: str, trial: tuple[int, int, float], now: float
-) -> bool:
-    b, _, since = trial
-    cell = state.estimates.step_time.get((bucket, b))
-    measured = cell is not None and cell.samples >= settings.min_steps and cell.last_update >= since
-    return measured or now - since > settings.explore_after_s
+def _start_trial(state: ControllerState, bucket: str, block: int, back_to: int, now: float) -> Trial:
+    cell = state.estimates.step_time.get((bucket, block))
+    return Trial(block, back_to, now, cell.samples if cell is not None else 0.0)
+
+
+def _trial_done(state: ControllerState, settings: ControllerSettings, bucket: str, trial: Trial, now: float) -> bool:
+    cell = state.estimates.step_time.get((bucket, trial.block))
+    measured = cell is not None and cell.samples - trial.samples_at_start >= settings.min_steps
+    return measured or now - trial.since > settings.explore_after_s
 
 
 def _stale_candidate(

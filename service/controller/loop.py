@@ -48,6 +48,9 @@ class ControllerLoop:
     """Runs ``decide`` on a thread (or by ``tick`` in tests). The policy is
     pushed when it changes and, with ``repush_s``, again once the last push is
     that old (replicas that restarted or were added get it too).
+    ``trial_interval_s``: while a bucket runs a trial, decide this often instead
+    (a trial ends once its cell has enough steps; waiting out a 10 s interval
+    would run a block the controller already found worse for most of it).
     ``counters_from_zero``: the observed counters started with this controller
     (in-process), so the first observation holds what ran before it, the
     start-up profile, kept as the step-time shape; otherwise (a replica's
@@ -62,6 +65,7 @@ class ControllerLoop:
         metrics: ControllerMetrics,
         *,
         interval_s: float = 10.0,
+        trial_interval_s: float | None = None,
         repush_s: float | None = None,
         counters_from_zero: bool = False,
         clock: Callable[[], float] = time.monotonic,
@@ -72,6 +76,7 @@ class ControllerLoop:
             self.state.estimates.baseline = Observation(clock(), {}, {}, {})
             self.state.estimates.profile_pending = True
         self.interval_s, self.repush_s, self.clock = interval_s, repush_s, clock
+        self.trial_interval_s = min(interval_s, trial_interval_s or interval_s)
         self.pushed: BlockPolicy | None = None
         self._pushed_at = float("-inf")
         self._stop = threading.Event()
@@ -105,6 +110,10 @@ class ControllerLoop:
                 log.warning("policy push failed, will retry: %s", exc)
         return decision
 
+    def next_wait_s(self) -> float:
+        """Seconds until the next decision: shorter while a trial runs."""
+        return self.trial_interval_s if self.state.exploring else self.interval_s
+
     def start(self) -> None:
         self._thread.start()
 
@@ -117,5 +126,5 @@ class ControllerLoop:
         # Decide at once: after a start-up profile the first requests already
         # run the profile's policy, not the draft's full block.
         self.tick()
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self.next_wait_s()):
             self.tick()
