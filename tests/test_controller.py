@@ -327,6 +327,25 @@ def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     assert "1" not in state.exploring and decision.table["1"] == 1, decision.reasons["1"]
 
 
+def test_a_block_timed_earlier_is_compared_at_todays_level():
+    # b = 2 runs 4 % below plain decoding; then everything slows by 1.3x (longer
+    # contexts, a busier machine) while only plain decoding runs. Compared raw,
+    # the old b = 2 time beat the new plain one by 25 % and was chosen.
+    settings = ControllerSettings(candidates=(1, 2), max_block_size=2, explore_after_s=1e9, min_verified=10)
+    state = ControllerState.initial(1)
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    cells = {("1", 1): (1.1, 100.0), ("1", 2): (1.544, 100.0)}  # 11.0 and 15.44 ms
+    survival = ({1: 35.0}, {1: 100.0})  # S_1 = 0.35: b = 2 makes 1.35 tokens per step
+    decision, state = decide(Observation(1.0, cells, *survival), state, settings)
+    assert decision.goodput["1"][2] == pytest.approx(0.96 * decision.goodput["1"][1], rel=0.01)
+    for tick in range(2, 30):
+        total, count = cells[("1", 1)]
+        cells[("1", 1)] = (total + 100 * 0.0143, count + 100)  # plain steps now take 14.3 ms
+        decision, state = decide(Observation(10.0 * tick, dict(cells), *survival), state, settings)
+        assert decision.table["1"] == 1, (tick, decision.reasons["1"])
+    assert decision.goodput["1"][2] == pytest.approx(0.96 * decision.goodput["1"][1], rel=0.02)
+
+
 def test_plain_decoding_is_off_the_drafting_cost_line():
     # Measured: t(1) = 1.0 (no draft forward), t(4) = 1.5 and t(16) = 2.1 on the
     # drafting line a + c (b - 1) with a = 1.35, c = 0.05. The estimate for b = 2
@@ -493,7 +512,9 @@ def test_loop_decides_often_while_a_trial_runs():
 
     loop = loop_with(3600.0, 0.02)
     assert loop.next_wait_s() == 3600.0
-    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=0.0, samples_at_start=0.0)
+    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=time.monotonic() - 7200, samples_at_start=0.0)
+    assert loop.next_wait_s() == 3600.0  # open for two intervals: a bucket with little traffic
+    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=time.monotonic(), samples_at_start=0.0)
     loop.start()
     try:
         deadline = time.monotonic() + 10

@@ -190,15 +190,18 @@ def _choose(goodput: dict[int, float], current: int, settings: ControllerSetting
 
 
 def _live(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
-    """Mean step time of the bucket's cells with enough live steps (a mean that
-    is not positive is a torn read of the counters, not a measurement; a cell
-    whose decayed count is 0 has a NaN mean, which fails the same test)."""
+    """Mean step time of the bucket's cells with enough live steps, carried to
+    the present by the block that ran last (``Estimates.comparable_means``; a
+    mean that is not positive is a torn read of the counters, not a
+    measurement; a cell whose decayed count is 0 has a NaN mean, which fails
+    the same test)."""
     cells = state.estimates.step_time
-    return {
-        b: cells[(bucket, b)].mean
+    trusted = [
+        b
         for b in settings.allowed
         if (bucket, b) in cells and cells[(bucket, b)].samples >= settings.min_steps and cells[(bucket, b)].mean > 0
-    }
+    ]
+    return state.estimates.comparable_means(bucket, trusted, settings.min_steps)
 
 
 def _profile_level(state: ControllerState, settings: ControllerSettings, bucket: str, plain: bool) -> float:

@@ -48,9 +48,11 @@ class ControllerLoop:
     """Runs ``decide`` on a thread (or by ``tick`` in tests). The policy is
     pushed when it changes and, with ``repush_s``, again once the last push is
     that old (replicas that restarted or were added get it too).
-    ``trial_interval_s``: while a bucket runs a trial, decide this often instead
-    (a trial ends once its cell has enough steps; waiting out a 10 s interval
-    would run a block the controller already found worse for most of it).
+    ``trial_interval_s``: during the first ``interval_s`` of a trial, decide this
+    often instead (a trial ends once its cell has enough steps; waiting out a
+    10 s interval would run a block the controller already found worse for
+    most of it). A trial still open after that is in a bucket with little
+    traffic, where looking more often only costs.
     ``counters_from_zero``: the observed counters started with this controller
     (in-process), so the first observation holds what ran before it, the
     start-up profile, kept as the step-time shape; otherwise (a replica's
@@ -111,8 +113,10 @@ class ControllerLoop:
         return decision
 
     def next_wait_s(self) -> float:
-        """Seconds until the next decision: shorter while a trial runs."""
-        return self.trial_interval_s if self.state.exploring else self.interval_s
+        """Seconds until the next decision: shorter while a young trial runs."""
+        now = self.clock()
+        young = any(now - trial.since < self.interval_s for trial in self.state.exploring.values())
+        return self.trial_interval_s if young else self.interval_s
 
     def start(self) -> None:
         self._thread.start()
