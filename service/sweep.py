@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -68,7 +69,13 @@ def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen
     port = free_port()
     command = [sys.executable, "-m", "service.cli", "--target", str(args.target), "--draft", str(args.draft),
                "--port", str(port), "--max-batch-size", str(args.max_batch_size), *mode.flags]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if args.server_logs:
+        args.server_logs.mkdir(parents=True, exist_ok=True)
+        log = (args.server_logs / f"{mode.name.replace(':', '-')}.log").open("w")
+    else:
+        log = contextlib.nullcontext(subprocess.DEVNULL)
+    with log as stream:  # the child keeps its own handle
+        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -211,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--controller-interval-s", type=float, default=2.0)
     parser.add_argument("--plot", type=Path, help="write the PNG here")
+    parser.add_argument("--server-logs", type=Path,
+                        help="write each server's log here (MODE.log; the adaptive one logs every policy change "
+                             "with its reasons)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")

@@ -64,13 +64,15 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     target, draft = served_pair_dirs
     main(["--target", str(target), "--draft", str(draft), "--modes", "fixed:1", "fixed:4", "adaptive",
           "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "6", "--repeats", "2",
-          "--plot", str(tmp_path / "sweep.png")])  # fmt: skip
+          "--plot", str(tmp_path / "sweep.png"), "--server-logs", str(tmp_path / "logs")])  # fmt: skip
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["levels"]) == {"fixed:1", "fixed:4", "adaptive"}
     assert all(len(levels) == 2 and all(level["output_tokens_per_s"] > 0 for level in levels)
                for levels in summary["levels"].values())  # fmt: skip
     assert len(summary["comparison"]["adaptive_vs_best_fixed"]) == 2
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
+    assert "block-size policy" in (tmp_path / "logs" / "adaptive.log").read_text()  # the controller's decisions
+    assert (tmp_path / "logs" / "fixed-4.log").stat().st_size > 0
     # Interleaved: every mode runs a level before any mode runs the next one.
     order = summary["order"]
     assert [phase for phase, _, _ in order[::6]] == ["warm-up", "measured 1", "measured 2"]

@@ -6,9 +6,11 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
 
 - E[tau(b)] = 1 + sum_{k<b} S_k from the survival per draft position;
 - t(b): the measured mean step time of (bucket, b) where there are enough
-  steps; otherwise, for drafting blocks (b >= 2), a line t(b) = a + c * (b - 1)
-  fitted to the bucket's measured drafting cells (one cell: the slope relative
-  to a is borrowed from other buckets, or ``prior_slope``). Plain decoding
+  steps, carried to the present by the block that ran last (every block slows
+  alike as contexts grow or the machine gets busier); otherwise, for drafting
+  blocks (b >= 2), a line t(b) = a + c * (b - 1) fitted to the bucket's
+  measured drafting cells (one cell: the slope relative to a is borrowed from
+  other buckets, or ``prior_slope``). Plain decoding
   (b = 1) runs no draft forward, so it is off that line: unmeasured, it is
   a * the ratio t(1) / a borrowed from other buckets (or ``prior_plain_ratio``);
   a bucket with only b = 1 measured puts its line at t(1) / that ratio;
@@ -22,7 +24,7 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
 - exploration: a bucket with traffic whose neighbouring candidates, or b = 1,
   have no or stale measurements (stale: not run during ``explore_after_s`` of
   the bucket's own decoding) runs one of them until it has ``min_steps``
-  steps, so the estimates never freeze; only candidates estimated within
+  fresh steps, so the estimates never freeze; only candidates estimated within
   ``explore_margin`` of the chosen block are tried (a trial lasts at least one
   controller interval, and re-measuring a clearly worse block costs more
   throughput than it can reveal), except that a bucket without its own
