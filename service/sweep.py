@@ -7,7 +7,10 @@ requests, after a warm-up pass over the same levels (the controller learns
 while serving, as in production; every mode gets the same warm-up).
 
 All servers run for the whole sweep and the modes take turns level by level
-(the first mode rotates with the level): on shared machines throughput drifts
+(the first mode rotates with the level and the pass, so over an even number of
+passes each mode runs a level first as often as second, and drift within a
+level's turns cancels instead of always favouring one mode): on shared
+machines throughput drifts
 by up to 2x within minutes (two identical back-to-back runs on our 2-core VM:
 43.0 and 81.7 tok/s), so a sweep that ran one mode after the other compared
 modes measured minutes apart. Idle servers use no CPU.
@@ -91,10 +94,11 @@ def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen
     raise TimeoutError(f"dflash-serve ({mode.name}) did not become ready")
 
 
-def turns(modes: list[str], level: int) -> list[str]:
-    """The order in which the modes run ``level``: rotated by one per level, so
-    no mode always runs first (cold) or right after the same neighbour."""
-    shift = level % len(modes)
+def turns(modes: list[str], rotation: int) -> list[str]:
+    """The order in which the modes run a level: rotated by one per level and
+    per pass (``rotation`` = level index + pass index), so no mode always runs
+    first (cold) or right after the same neighbour."""
+    shift = rotation % len(modes)
     return modes[shift:] + modes[:shift]
 
 
@@ -110,11 +114,11 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[
                for name, url in urls.items()}  # fmt: skip
     try:
         models = {name: (await client.models.list()).data[0].id for name, client in clients.items()}
-        for phase in ["warm-up"] + [f"measured {r + 1}" for r in range(args.repeats)]:
+        for p, phase in enumerate(["warm-up"] + [f"measured {r + 1}" for r in range(args.repeats)]):
             per_level = args.warmup_requests_per_level if phase == "warm-up" else args.requests_per_level
             for i, concurrency in enumerate(args.concurrency):
                 prompts = [texts[j % len(texts)] for j in range(max(2, per_level * concurrency))]
-                for name in turns(list(urls), i):
+                for name in turns(list(urls), i + p):
                     before = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
                     level = await run_level(clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0,
                                             args.repetition_penalty)  # fmt: skip

@@ -20,7 +20,7 @@ from service.controller import (
     expected_acceptance_length,
 )
 from service.controller.decide import Trial
-from service.controller.estimates import Estimates
+from service.controller.estimates import Decayed, Estimates
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.profile import profile_step_times
 from service.controller.source import SourceError, observation_from_collectors, observation_from_text
@@ -308,6 +308,23 @@ def test_a_block_chosen_on_an_estimate_is_a_trial_until_measured_here():
     assert second.table["1"] == 1, second.reasons["1"]
 
 
+def test_a_trial_returns_to_the_block_it_left_unless_a_measured_one_beats_it_by_the_margin():
+    # Live: plain decoding 10 ms (chosen), b = 2 13.8 ms (1.4 tokens: +1.4 %, within
+    # the margin); the profile makes b = 4 look better. Its trial must come back to
+    # b = 1: one favourable measurement of b = 2 is no reason to leave the block
+    # the bucket chose (served batch 16-31 went back to a b = 2 timed during a
+    # ramp-down and stayed there, 7 % below plain decoding).
+    settings = ControllerSettings(candidates=(1, 2, 4, 8, 16), min_steps=10, min_verified=10)
+    state = ControllerState.initial(1)
+    state.estimates.profile = {("1", b): t for b, t in {1: 0.008, 2: 0.011, 4: 0.0115, 8: 0.014, 16: 0.02}.items()}
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    cells = {("1", 1): (1.0, 100.0), ("1", 2): (1.38, 100.0)}
+    decision, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}), state, settings)
+    assert decision.goodput["1"][2] == pytest.approx(1.014 * decision.goodput["1"][1], rel=0.005)
+    assert decision.table["1"] == 4 and "a trial, back to b=1" in decision.reasons["1"]
+    assert state.decided("1") == 1
+
+
 def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     # b = 2 has 100 old steps; re-measured, one update with 5 new steps does not
     # end the trial (a trial ended by the first fresh step judged the block on
@@ -344,6 +361,19 @@ def test_a_block_timed_earlier_is_compared_at_todays_level():
         decision, state = decide(Observation(10.0 * tick, dict(cells), *survival), state, settings)
         assert decision.table["1"] == 1, (tick, decision.reasons["1"])
     assert decision.goodput["1"][2] == pytest.approx(0.96 * decision.goodput["1"][1], rel=0.02)
+
+
+def test_only_a_reference_mean_resting_on_enough_steps_carries_a_level():
+    est = Estimates()
+    est.step_time[("1", 2)] = Decayed(total=2.0, count=100.0, samples=100.0, last_update=1.0)  # 20 ms
+    est.peers_at_update[("1", 2)] = {1: (0.015, 100.0)}  # plain steps took 15 ms when b = 2 last ran
+    est.step_time[("1", 1)] = Decayed(total=1.2, count=40.0, samples=500.0, last_update=5.0)  # now 30 ms
+    assert est.comparable_means("1", [1, 2], min_steps=20) == {1: 0.03, 2: pytest.approx(0.04)}
+    est.step_time[("1", 1)] = Decayed(total=0.3, count=10.0, samples=500.0, last_update=5.0)  # 30 ms on 10 steps
+    assert est.comparable_means("1", [1, 2], min_steps=20) == {1: 0.03, 2: 0.02}
+    est.step_time[("1", 1)] = Decayed(total=1.2, count=40.0, samples=500.0, last_update=5.0)
+    est.peers_at_update[("1", 2)] = {1: (0.015, 5.0)}  # the 15 ms then rested on 5 steps
+    assert est.comparable_means("1", [1, 2], min_steps=20) == {1: 0.03, 2: 0.02}
 
 
 def test_plain_decoding_is_off_the_drafting_cost_line():

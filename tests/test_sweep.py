@@ -84,3 +84,6 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     for start in range(0, len(order), 3):
         assert {mode for _, _, mode in order[start : start + 3]} == {"fixed:1", "fixed:4", "adaptive"}
         assert len({(phase, c) for phase, c, _ in order[start : start + 3]}) == 1
+    # The same level's first mode changes from pass to pass.
+    firsts = [mode for phase, c, mode in order[::3] if c == 1]
+    assert firsts == ["fixed:1", "fixed:4", "adaptive"]

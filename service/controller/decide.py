@@ -166,8 +166,10 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         live = _live(state, settings, bucket)
         if state.table[bucket] != back_to and state.table[bucket] not in live and live:
             # An estimate is not a measurement: run the new block as a trial and
-            # come back to the best block measured here unless it holds up live.
-            anchor = max(live, key=goodput[bucket].__getitem__)
+            # come back to the best block measured here unless it holds up live
+            # (the block it left, unless another measured one beats it by the
+            # switch margin: a neighbour's one trial is not a reason to switch).
+            anchor, _ = _choose({b: goodput[bucket][b] for b in live}, back_to, settings)
             state.exploring[bucket] = _start_trial(state, bucket, state.table[bucket], anchor, obs.time)
             reasons[bucket] += f"; not run here yet: a trial, back to b={anchor} unless it holds up"
             continue

@@ -60,7 +60,7 @@ class Estimates:
     profile_pending: bool = False  # the next observation's step times are the start-up profile
     busy: dict[str, float] = field(default_factory=dict)  # bucket -> step seconds ever served
     busy_at_update: dict[Cell, float] = field(default_factory=dict)  # the bucket's busy seconds when the cell last ran
-    # The bucket's other cells when the cell last ran: block -> (mean, samples).
+    # The bucket's other cells when the cell last ran: block -> (mean, decayed step count).
     peers_at_update: dict[Cell, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
     def update(self, obs: Observation, half_life_s: float) -> None:
@@ -88,7 +88,7 @@ class Estimates:
                 self.busy_at_update[cell] = self.busy[cell[0]]
         for cell in [cell for cell, (_, steps) in deltas.items() if steps > 0]:
             self.peers_at_update[cell] = {
-                b: (d.mean, d.samples)
+                b: (d.mean, d.count)
                 for (bucket, b), d in self.step_time.items()
                 if bucket == cell[0] and b != cell[1] and d.count > 0
             }
@@ -101,7 +101,9 @@ class Estimates:
         """Mean step times of the bucket's ``blocks``, each carried to the present:
         a block that last ran a while ago is scaled by how much the bucket's most
         recently run block (the reference) has changed since then, when the
-        reference had ``min_steps`` steps at that moment. Contexts grow and
+        reference's mean rested on ``min_steps`` (decayed) steps both then and
+        now: a mean resting on a few steps (a bucket visited only as requests
+        start and end) is noise, not a level. Contexts grow and
         machines get busier, which slows every block alike; compared raw, a block
         timed earlier against one timed now compares moments, not blocks (served
         batch 4-7: b = 2 timed at 27.9 ms beside plain steps at 18.9; plain steps
@@ -112,11 +114,12 @@ class Estimates:
         if not means:
             return means
         reference = max(cells, key=lambda b: (cells[b].last_update, cells[b].samples))
+        if cells[reference].count < min_steps:
+            return means
         carried = {}
         for b, mean in means.items():
-            then, samples = self.peers_at_update.get((bucket, b), {}).get(reference, (0.0, 0.0))
-            scale = means[reference] / then if b != reference and then > 0 and samples >= min_steps else 1.0
-            carried[b] = mean * scale
+            then, count = self.peers_at_update.get((bucket, b), {}).get(reference, (0.0, 0.0))
+            carried[b] = mean * (means[reference] / then if b != reference and then > 0 and count >= min_steps else 1.0)
         return carried
 
     def busy_since(self, cell: Cell) -> float:
