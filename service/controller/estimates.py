@@ -84,9 +84,8 @@ class Estimates:
             self.busy[bucket] = self.busy.get(bucket, 0.0) + max(0.0, seconds)
         for cell, (seconds, steps) in deltas.items():
             self.step_time.setdefault(cell, Decayed()).add(seconds, steps, obs.time, decay)
-            if steps > 0:
-                self.busy_at_update[cell] = self.busy[cell[0]]
         for cell in [cell for cell, (_, steps) in deltas.items() if steps > 0]:
+            self.busy_at_update[cell] = self.busy[cell[0]]
             self.peers_at_update[cell] = {
                 b: (d.mean, d.count)
                 for (bucket, b), d in self.step_time.items()
@@ -103,12 +102,12 @@ class Estimates:
         recently run block (the reference) has changed since then, when the
         reference's mean rested on ``min_steps`` (decayed) steps both then and
         now: a mean resting on a few steps (a bucket visited only as requests
-        start and end) is noise, not a level. Contexts grow and
-        machines get busier, which slows every block alike; compared raw, a block
-        timed earlier against one timed now compares moments, not blocks (served
-        batch 4-7: b = 2 timed at 27.9 ms beside plain steps at 18.9; plain steps
-        drifted to 23.0 ms, b = 2 looked 5.7 % better than plain decoding, and ran
-        at 32.7 ms once chosen)."""
+        start and end) is noise, not a level. Contexts grow and machines get
+        busier, which slows every block alike; compared raw, a block timed
+        earlier against one timed now compares moments, not blocks (served batch
+        4-7: b = 2 timed at 27.9 ms beside plain steps at 18.9; plain steps
+        drifted to 23.0 ms, b = 2 looked 5.7 % better than plain decoding, and
+        ran at 32.7 ms once chosen)."""
         cells = {b: self.step_time[(bucket, b)] for b in blocks}
         means = {b: cell.mean for b, cell in cells.items()}
         if not means:
