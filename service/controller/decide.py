@@ -26,9 +26,9 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
   the bucket's own decoding) runs one of them until it has ``min_steps``
   fresh steps, so the estimates never freeze; only candidates estimated within
   ``explore_margin`` of the chosen block are tried (re-measuring a clearly
-  worse block costs more throughput than it can reveal), except that a bucket without its own
-  drafting line (two measured drafting cells) always tries its adjacent
-  drafting block: a borrowed slope is a guess, not evidence;
+  worse block costs more throughput than it can reveal), except that a bucket
+  without its own drafting line (two measured drafting cells) always tries its
+  adjacent drafting block: a borrowed slope is a guess, not evidence;
 - a bucket without measurements takes the block of the nearest bucket that has
   them (batch sizes never seen start from the closest evidence, not from the
   draft's block).
