@@ -19,7 +19,7 @@ from service.controller import (
     decide,
     expected_acceptance_length,
 )
-from service.controller.decide import Trial
+from service.controller.decide import Trial, _trial_done
 from service.controller.estimates import Decayed, Estimates
 from service.controller.loop import ControllerLoop, ControllerMetrics
 from service.controller.profile import profile_step_times
@@ -342,6 +342,11 @@ def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     enough = {**cells, ("1", 2): (1.8, 120.0)}
     decision, state = decide(Observation(2.0, enough, {1: 48.0}, {1: 120.0}), state, settings)
     assert "1" not in state.exploring and decision.table["1"] == 1, decision.reasons["1"]
+    # A cell never trusted keeps the steps of an earlier, unfinished trial.
+    state.exploring["1"] = Trial(block=4, back_to=1, since=2.0, samples_at_start=15.0)
+    assert _trial_done(state, settings, "1", state.exploring["1"], 2.5) is False
+    state.estimates.step_time[("1", 4)] = Decayed(total=0.4, count=20.0, samples=20.0, last_update=2.5)
+    assert _trial_done(state, settings, "1", state.exploring["1"], 2.5) is True
 
 
 def test_a_block_timed_earlier_is_compared_at_todays_level():

@@ -100,8 +100,11 @@ class ControllerSettings:
 @dataclass(frozen=True)
 class Trial:
     """A bucket running ``block`` to measure it, then deciding again from
-    ``back_to``; done once the cell has ``min_steps`` steps more than
-    ``samples_at_start`` (a cell measured before needs fresh steps, not one)."""
+    ``back_to``. Done once the cell is trusted (``min_steps`` steps) and, if it
+    was trusted when the trial began (``samples_at_start``), has ``min_steps``
+    fresh ones: a re-measurement needs new evidence, not one step; steps of
+    earlier unfinished trials still count (a bucket with sparse traffic never
+    collected enough steps in one trial)."""
 
     block: int
     back_to: int
@@ -313,8 +316,8 @@ def _start_trial(state: ControllerState, bucket: str, block: int, back_to: int, 
 
 def _trial_done(state: ControllerState, settings: ControllerSettings, bucket: str, trial: Trial, now: float) -> bool:
     cell = state.estimates.step_time.get((bucket, trial.block))
-    measured = cell is not None and cell.samples - trial.samples_at_start >= settings.min_steps
-    return measured or now - trial.since > settings.explore_after_s
+    needed = settings.min_steps + (trial.samples_at_start if trial.samples_at_start >= settings.min_steps else 0.0)
+    return (cell is not None and cell.samples >= needed) or now - trial.since > settings.explore_after_s
 
 
 def _stale_candidate(
