@@ -10,10 +10,10 @@ All servers run for the whole sweep and the modes take turns level by level
 (the first mode rotates with the level and the pass, so over an even number of
 passes each mode runs a level first as often as second, and drift within a
 level's turns cancels instead of always favouring one mode): on shared
-machines throughput drifts
-by up to 2x within minutes (two identical back-to-back runs on our 2-core VM:
-43.0 and 81.7 tok/s), so a sweep that ran one mode after the other compared
-modes measured minutes apart. Idle servers use no CPU.
+machines throughput drifts by up to 2x within minutes (two identical
+back-to-back runs on our 2-core VM: 43.0 and 81.7 tok/s), so a sweep that ran
+one mode after the other compared modes measured minutes apart. Idle servers
+use no CPU.
 Output: a table of output tokens/s per mode and concurrency with
 adaptive / best fixed per level and adaptive / fixed-b16 averaged over the
 sweep, the adaptive server's engine time per block size at each level (from
