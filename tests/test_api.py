@@ -244,6 +244,11 @@ def test_admin_policy_endpoint(model):
         new = {"min_batch": [1, 4], "block_sizes": [4, 1]}
         assert httpx2.post(url + "/admin/policy", json=new, headers=auth).json() == new
         assert engine.policy.block_size(5) == 1 and engine.policy.block_size(2) == 4
+        paired = {"min_batch": [1, 4], "block_sizes": [4, 1], "alternates": [1, 2]}  # a controller trial
+        assert httpx2.post(url + "/admin/policy", json=paired, headers=auth).json() == paired
+        assert [engine.policy.block_size(5, turn) for turn in range(3)] == [1, 2, 1]
+        too_big = httpx2.post(url + "/admin/policy", json={**paired, "alternates": [9, 1]}, headers=auth)
+        assert too_big.status_code == 400 and engine.policy.alternates == (1, 2)
         too_big = httpx2.post(url + "/admin/policy", json={"min_batch": [1], "block_sizes": [9]}, headers=auth)
         assert too_big.status_code == 400 and engine.policy.block_size(1) == 4
         unsorted = httpx2.post(url + "/admin/policy", json={"min_batch": [2], "block_sizes": [2]}, headers=auth)

@@ -28,6 +28,7 @@ from service.metrics import Metrics, batch_bucket
 from speculative.session import DecodeSession, RoundStats
 
 ALPHA = 0.8  # true per-position survival ratio: S_k = ALPHA ** k
+UNPAIRED = {"counters_at_start": ((0.0, 0.0), (0.0, 0.0)), "restarts_at_start": -1}  # no window
 SLOPE = {1: 0.04, 4: 0.12, 16: 0.5, 32: 1.2}  # extra step time per extra block token, relative
 
 
@@ -49,7 +50,8 @@ class SimulatedEngine:
     ``committed``: tokens produced so far (expected acceptance)."""
 
     batches: tuple[int, ...]
-    noise: float = 0.0  # relative spread of measured step times
+    noise: float = 0.0  # relative spread of measured step times, per cell
+    drift: float = 0.0  # relative spread of the machine's speed, per tick
     alpha: float = ALPHA
     draft_cost: float = 0.0
     contention: float = 1.0  # live steps over the same steps timed alone (the start-up profile)
@@ -70,20 +72,26 @@ class SimulatedEngine:
     def tokens_per_step(self, batch: int, b: int) -> float:
         return batch * expected_acceptance_length([self.alpha**k for k in range(1, 16)], b)
 
-    def tick(self, table: dict[str, int], seconds: float = 10.0) -> Observation:
+    def tick(self, table: dict[str, int], seconds: float = 10.0, turns: dict[str, int] | None = None) -> Observation:
+        """``seconds`` of serving ``table``; a bucket in ``turns`` alternates its
+        block with that one step by step (a paired trial). Measured times carry
+        ``noise`` per cell and ``drift`` shared by every cell of this tick (a
+        shared machine speeding up or slowing down)."""
         self.now += seconds
+        speed = 1 + self.drift * self.rng.uniform(-1, 1)
         for batch in self.batches:
             bucket = batch_bucket(batch)
-            b = table[bucket]
-            t = self.step_time(batch, b)
-            steps = seconds / len(self.batches) / t
-            measured = t * (1 + self.noise * self.rng.uniform(-1, 1))
-            total, count = self.step_seconds.get((bucket, b), (0.0, 0.0))
-            self.step_seconds[(bucket, b)] = (total + steps * measured, count + steps)
-            self.committed += steps * self.tokens_per_step(batch, b)
-            for k in range(1, b):
-                self.verified[k] = self.verified.get(k, 0.0) + steps * batch
-                self.accepted[k] = self.accepted.get(k, 0.0) + steps * batch * self.alpha**k
+            blocks = {table[bucket], (turns or {}).get(bucket, table[bucket])}
+            for b in blocks:
+                t = self.step_time(batch, b)
+                steps = seconds / len(self.batches) / len(blocks) / t
+                measured = t * speed * (1 + self.noise * self.rng.uniform(-1, 1))
+                total, count = self.step_seconds.get((bucket, b), (0.0, 0.0))
+                self.step_seconds[(bucket, b)] = (total + steps * measured, count + steps)
+                self.committed += steps * self.tokens_per_step(batch, b)
+                for k in range(1, b):
+                    self.verified[k] = self.verified.get(k, 0.0) + steps * batch
+                    self.accepted[k] = self.accepted.get(k, 0.0) + steps * batch * self.alpha**k
         return Observation(self.now, dict(self.step_seconds), dict(self.accepted), dict(self.verified))
 
     def fixed_throughput(self, b: int) -> float:
@@ -96,10 +104,15 @@ def run(engine: SimulatedEngine, settings: ControllerSettings, ticks: int, start
     return run_from(engine, ControllerState.initial(start_b), settings, ticks)
 
 
+def turns(state: ControllerState) -> dict[str, int]:
+    """Buckets in a trial -> the block the trial block takes turns with."""
+    return {bucket: trial.back_to for bucket, trial in state.exploring.items()}
+
+
 def run_from(engine: SimulatedEngine, state: ControllerState, settings: ControllerSettings, ticks: int):
     history = []
     for _ in range(ticks):
-        decision, state = decide(engine.tick(state.table), state, settings)
+        decision, state = decide(engine.tick(state.table, turns=turns(state)), state, settings)
         history.append(decision)
     return state, history
 
@@ -149,7 +162,7 @@ def test_staleness_counts_the_buckets_own_traffic_not_idle_time():
         state, _ = run(engine, settings, ticks=40)
         engine.batches = ()
         for _ in range(idle_ticks):
-            _, state = decide(engine.tick(state.table), state, settings)
+            _, state = decide(engine.tick(state.table, turns=turns(state)), state, settings)
         engine.batches = (1,)
         _, history = run_from(engine, state, settings, ticks=20)
         return [d.reasons["1"] for d in history]
@@ -186,7 +199,7 @@ def realized_over_fixed(engine: SimulatedEngine, settings: ControllerSettings, w
     for i in range(warmup + ticks):
         if i == warmup:
             start_tokens, start_time = engine.committed, engine.now
-        _, state = decide(engine.tick(state.table), state, settings)
+        _, state = decide(engine.tick(state.table, turns=turns(state)), state, settings)
     realized = (engine.committed - start_tokens) / (engine.now - start_time)
     return realized / max(engine.fixed_throughput(b) for b in settings.allowed)
 
@@ -216,7 +229,7 @@ def test_a_profiled_cold_start_still_learns_what_the_draft_accepts():
     first, state = decide(Observation(1.0, dict(engine.step_seconds), {}, {}), state, settings)
     assert first.table["1"] == 2 and "exploring b=2" in first.reasons["1"]
     for _ in range(40):
-        _, state = decide(engine.tick(state.table), state, settings)
+        _, state = decide(engine.tick(state.table, turns=turns(state)), state, settings)
     chosen = state.decided("1")
     best = max(settings.allowed, key=engine.fixed_throughput)
     assert chosen >= 6 and engine.fixed_throughput(chosen) >= 0.93 * engine.fixed_throughput(best)
@@ -239,7 +252,7 @@ def test_a_start_up_profile_gives_the_shape_and_live_steps_the_level():
     blocks = []
     for _ in range(60):
         blocks.append(state.table["1"])
-        _, state = decide(engine.tick(state.table), state, settings)
+        _, state = decide(engine.tick(state.table, turns=turns(state)), state, settings)
     realized = engine.committed / engine.now
     assert realized >= 0.97 * max(engine.fixed_throughput(b) for b in settings.allowed), blocks
     # Only the trial that measures S_1; unscaled, it ran 4, 8 and 16 first (37-48 % below plain).
@@ -334,16 +347,23 @@ def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     state.estimates.baseline = Observation(0.0, {}, {}, {})
     cells = {("1", 1): (1.0, 100.0), ("1", 2): (1.5, 100.0)}
     _, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}), state, settings)
-    state.exploring["1"] = Trial(block=2, back_to=1, since=1.0, samples_at_start=100.0)
+    state.exploring["1"] = Trial(
+        block=2,
+        back_to=1,
+        since=1.0,
+        samples_at_start=100.0,
+        counters_at_start=((1.5, 100.0), (1.0, 100.0)),
+        restarts_at_start=0,
+    )
     state.table["1"] = 2
     few = {**cells, ("1", 2): (1.575, 105.0)}
     decision, state = decide(Observation(1.5, few, {1: 42.0}, {1: 105.0}), state, settings)
-    assert decision.reasons["1"] == "exploring b=2"
+    assert decision.reasons["1"] == "exploring b=2 in turns with b=1"
     enough = {**cells, ("1", 2): (1.8, 120.0)}
     decision, state = decide(Observation(2.0, enough, {1: 48.0}, {1: 120.0}), state, settings)
     assert "1" not in state.exploring and decision.table["1"] == 1, decision.reasons["1"]
     # A cell never trusted keeps the steps of an earlier, unfinished trial.
-    state.exploring["1"] = Trial(block=4, back_to=1, since=2.0, samples_at_start=15.0)
+    state.exploring["1"] = Trial(block=4, back_to=1, since=2.0, samples_at_start=15.0, **UNPAIRED)
     assert _trial_done(state, settings, "1", state.exploring["1"], 2.5) is False
     state.estimates.step_time[("1", 4)] = Decayed(total=0.4, count=20.0, samples=20.0, last_update=2.5)
     assert _trial_done(state, settings, "1", state.exploring["1"], 2.5) is True
@@ -418,11 +438,11 @@ def test_a_crowded_bucket_leaves_the_block_it_borrowed_from_a_flat_idle_bucket()
                                   min_verified=20.0, explore_after_s=8.0)  # fmt: skip
     state = ControllerState.initial(16)
     for _ in range(15):
-        _, state = decide(engine.tick(state.table, seconds=1.0), state, settings)
+        _, state = decide(engine.tick(state.table, seconds=1.0, turns=turns(state)), state, settings)
     assert state.decided("1") == 16 and state.table["16-31"] == 16
     engine.batches = (16,)
     for _ in range(45):
-        _, state = decide(engine.tick(state.table, seconds=1.0), state, settings)
+        _, state = decide(engine.tick(state.table, seconds=1.0, turns=turns(state)), state, settings)
     crowded = state.decided("16-31")
     best = max(settings.allowed, key=lambda b: engine.tokens_per_step(16, b) / engine.step_time(16, b))
     assert crowded == best == 4
@@ -471,7 +491,7 @@ def test_decide_is_pure():
     settings = ControllerSettings()
     engine = SimulatedEngine(batches=(1,))
     state = ControllerState.initial(16)
-    obs = engine.tick(state.table)
+    obs = engine.tick(state.table, turns=turns(state))
     decide(obs, state, settings)
     assert state.estimates.baseline is None and state.table == dict.fromkeys(BUCKETS, 16)
 
@@ -547,9 +567,11 @@ def test_loop_decides_often_while_a_trial_runs():
 
     loop = loop_with(3600.0, 0.02)
     assert loop.next_wait_s() == 3600.0
-    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=time.monotonic() - 7200, samples_at_start=0.0)
+    loop.state.exploring["1"] = Trial(
+        block=2, back_to=16, since=time.monotonic() - 7200, samples_at_start=0.0, **UNPAIRED
+    )
     assert loop.next_wait_s() == 3600.0  # open for two intervals: a bucket with little traffic
-    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=time.monotonic(), samples_at_start=0.0)
+    loop.state.exploring["1"] = Trial(block=2, back_to=16, since=time.monotonic(), samples_at_start=0.0, **UNPAIRED)
     loop.start()
     try:
         deadline = time.monotonic() + 10
@@ -684,3 +706,29 @@ def test_loop_repushes_an_unchanged_policy_when_asked():
 
     assert push_times(None) == [10.0]
     assert push_times(25.0) == [10.0, 40.0, 70.0]
+
+
+def paired_run(honour_turns: bool) -> tuple[list[int], SimulatedEngine]:
+    """Batch 4 on a machine whose speed swings +-40 % from one 10 s tick to the
+    next; plain decoding beats b = 2 by 11 % and b = 3 by 13 %. Returns the
+    bucket's chosen block per tick (a trial's is the block it returns to)."""
+    engine = SimulatedEngine(batches=(4,), alpha=0.35, draft_cost=0.35, drift=0.4)
+    settings = ControllerSettings(candidates=(1, 2, 3), max_block_size=3, min_verified=20)
+    state, chosen = ControllerState.initial(1), []
+    for _ in range(200):
+        obs = engine.tick(state.table, turns=turns(state) if honour_turns else None)
+        _, state = decide(obs, state, settings)
+        chosen.append(state.decided("4-7"))
+    return chosen, engine
+
+
+def test_a_paired_trial_sees_the_machine_the_incumbent_sees():
+    # Timed one after the other, a trial that fell in a fast tick beat the
+    # incumbent's average and the bucket left plain decoding for a while.
+    chosen, engine = paired_run(honour_turns=True)
+    goodput = {b: engine.tokens_per_step(4, b) / engine.step_time(4, b) for b in (1, 2, 3)}
+    assert max(goodput, key=goodput.get) == 1 and goodput[2] / goodput[1] == pytest.approx(0.89, abs=0.01)
+    assert {b for bucket, b in engine.step_seconds if bucket == "4-7"} == {1, 2}  # it did explore b = 2
+    assert set(chosen) == {1}, chosen
+    unpaired, _ = paired_run(honour_turns=False)
+    assert set(unpaired) != {1}

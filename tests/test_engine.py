@@ -177,6 +177,17 @@ def test_policy_picks_the_block_size_per_batch_size(pair):
     assert any(s.block_size == 1 for s in seen) and any(s.block_size == 8 for s in seen)
 
 
+def test_a_paired_policy_alternates_blocks_step_by_step_losslessly(pair):
+    target, draft, tokenizer = pair
+    seen = []
+    engine = NativeEngine(target, draft, tokenizer, on_step=lambda s, _: seen.append(s.block_size))
+    engine.set_policy(BlockPolicy((1,), (4,), (1,)))  # a controller trial: b = 4 in turns with plain decoding
+    request = GenerateRequest("p", prompts(1)[0], 30)
+    _, ids, _ = run(engine, collect(engine, request))
+    assert ids == greedy(target, request.prompt_ids, request.max_tokens)
+    assert len(seen) > 4 and seen == [4, 1] * (len(seen) // 2) + [4] * (len(seen) % 2)
+
+
 def test_requests_beyond_the_context_are_invalid(pair):
     target, draft, tokenizer = pair
     engine = NativeEngine(target, draft, tokenizer)

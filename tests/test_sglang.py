@@ -19,6 +19,7 @@ from service.controller.source import observation_from_text
 from service.engine import BlockPolicy, GenerateRequest, InvalidRequestError, QueueFullError
 from service.engine.sglang import SGLangEngine, finish_reason, sampling_params, server_args, spec_stats
 from service.metrics import Metrics
+from speculative.policy import Turns
 from speculative.sampling import SamplingParams
 from speculative.sglang import plugin
 from speculative.sglang.logic import (
@@ -37,24 +38,39 @@ from speculative.sglang.logic import (
 
 
 def test_policy_json_round_trip_and_errors():
-    policy = BlockPolicy((1, 4, 16), (16, 8, 2))
-    assert BlockPolicy.from_json(policy.to_json()) == policy
-    for bad in ("{", '{"min_batch": [1]}', '{"min_batch": [2], "block_sizes": [4]}', "[]"):
+    for policy in (BlockPolicy((1, 4, 16), (16, 8, 2)), BlockPolicy((1, 4, 16), (16, 8, 2), (16, 1, 2))):
+        assert BlockPolicy.from_json(policy.to_json()) == policy
+    assert BlockPolicy.fixed(4).to_dict() == {"min_batch": [1], "block_sizes": [4]}
+    bad_alternates = ('{"min_batch": [1], "block_sizes": [4], "alternates": [1, 2]}',
+                      '{"min_batch": [1], "block_sizes": [4], "alternates": [0]}')  # fmt: skip
+    for bad in ("{", '{"min_batch": [1]}', '{"min_batch": [2], "block_sizes": [4]}', "[]", *bad_alternates):
         with pytest.raises(ValueError):
             BlockPolicy.from_json(bad)
 
 
 def test_step_block_size_follows_the_table_within_bounds():
     policy = BlockPolicy((1, 4, 16), (16, 6, 1))
-    assert [step_block_size(policy, bs, 16) for bs in (1, 3, 4, 15, 16, 64)] == [16, 16, 6, 6, 2, 2]
-    assert step_block_size(policy, 1, 8) == 8  # never above the drafter's block
-    assert step_block_size(BlockPolicy.fixed(4), 0, 16) == 4  # an idle batch counts as 1
+    assert [step_block_size(policy, bs, 16, Turns()) for bs in (1, 3, 4, 15, 16, 64)] == [16, 16, 6, 6, 2, 2]
+    assert step_block_size(policy, 1, 8, Turns()) == 8  # never above the drafter's block
+    assert step_block_size(BlockPolicy.fixed(4), 0, 16, Turns()) == 4  # an idle batch counts as 1
+
+
+def test_a_range_with_an_alternate_takes_turns_within_its_own_steps():
+    # The batch flips between the two ranges every step; one turn counter for
+    # all ranges would run only the first block of range 1 (turns 0, 2, 4, ...).
+    policy, turns = BlockPolicy((1, 4), (8, 1), (4, 1)), Turns()
+    steps = [(batch, step_block_size(policy, batch, 16, turns)) for batch in [1, 5] * 4]
+    assert [b for batch, b in steps if batch == 1] == [8, 4, 8, 4]
+    assert [b for batch, b in steps if batch == 5] == [2, 2, 2, 2]  # SGLang's smallest block
+    assert [policy.block_size(1, turn) for turn in range(3)] == [8, 4, 8]
 
 
 def test_check_policy_rejects_blocks_above_the_draft():
     check_policy(BlockPolicy((1, 8), (16, 4)), 16)
     with pytest.raises(ValueError, match="exceed"):
         check_policy(BlockPolicy.fixed(32), 16)
+    with pytest.raises(ValueError, match="exceed"):
+        check_policy(BlockPolicy((1,), (4,), (32,)), 16)  # an alternate counts too
 
 
 def test_adaptive_algorithm_name_maps_to_upstream_dflash():

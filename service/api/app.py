@@ -84,7 +84,7 @@ def build_app(
     @app.post("/admin/policy", dependencies=[admin])
     async def set_policy(body: PolicyBody) -> dict:
         try:
-            policy = BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes))
+            policy = BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes), tuple(body.alternates))
             await asyncio.to_thread(engine.set_policy, policy)  # SGLang's RPC blocks
         except ValueError as exc:
             raise APIError(400, str(exc), param="block_sizes") from exc

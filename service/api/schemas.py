@@ -118,3 +118,4 @@ class PolicyBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     min_batch: list[int] = Field(min_length=1)
     block_sizes: list[int] = Field(min_length=1)
+    alternates: list[int] = Field(default=[], description="per range, a block taking turns step by step (optional)")

@@ -21,6 +21,13 @@ Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b)
   or the line, blocks looked up to 18 % better than plain decoding and ran
   10-25 % worse, and stayed chosen on that estimate while trials of their
   neighbours kept them from collecting ``min_steps`` steps;
+- a trial is paired: the trial block and the block it returns to take turns
+  step by step (``BlockPolicy.alternates``), and once both have ``min_steps``
+  steps in the trial's window the trial block's time is their ratio over that
+  window times the other's mean. Timed one after the other, a cell of 20 steps
+  caught whatever the shared machine did in those seconds (identical blocks
+  read up to 40 % apart; a b = 2 trial read +30.9 % over plain decoding and
+  the bucket left it); in turns, both see the same seconds;
 - exploration: a bucket with traffic whose neighbouring candidates, or b = 1,
   have no or stale measurements (stale: not run during ``explore_after_s`` of
   the bucket's own decoding) runs one of them until it has ``min_steps``
@@ -99,17 +106,22 @@ class ControllerSettings:
 
 @dataclass(frozen=True)
 class Trial:
-    """A bucket running ``block`` to measure it, then deciding again from
-    ``back_to``. Done once the cell is trusted (``min_steps`` steps) and, if it
-    was trusted when the trial began (``samples_at_start``), has ``min_steps``
-    fresh ones: a re-measurement needs new evidence, not one step; steps of
-    earlier unfinished trials still count (a bucket with sparse traffic never
-    collected enough steps in one trial)."""
+    """A bucket running ``block`` in turns with ``back_to`` to measure it, then
+    deciding again from ``back_to``. Done once both blocks have ``min_steps``
+    steps since it began (``counters_at_start``: their cumulative (seconds,
+    steps) then; a paired result), else, unpaired, once the cell is trusted
+    (``min_steps`` steps) and, if it was trusted when the trial began
+    (``samples_at_start``), has ``min_steps`` fresh ones: a re-measurement
+    needs new evidence, not one step; steps of earlier unfinished trials still
+    count (a bucket with sparse traffic never collected enough steps in one
+    trial)."""
 
     block: int
     back_to: int
     since: float
     samples_at_start: float
+    counters_at_start: tuple[tuple[float, float], tuple[float, float]]
+    restarts_at_start: int
 
 
 @dataclass
@@ -145,6 +157,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     """Fold ``obs`` into the estimates and choose every bucket's block size."""
     state = copy.deepcopy(state)
     state.estimates.update(obs, settings.half_life_s)
+    paired = _record_paired_trials(state, settings, obs)
     allowed = settings.allowed
     survival = state.estimates.survival_curve(max(allowed) - 1, settings.min_verified)
     reachable = state.estimates.survival_upper_bound(max(allowed) - 1, settings.min_verified)
@@ -159,12 +172,14 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
             continue
         goodput[bucket] = {b: expected_acceptance_length(survival, b) / t for b, t in times.items()}
         trial = state.exploring.get(bucket)
-        if trial is not None and not _trial_done(state, settings, bucket, trial, obs.time):
-            reasons[bucket] = f"exploring b={trial.block}"
+        if trial is not None and bucket not in paired and not _trial_done(state, settings, bucket, trial, obs.time):
+            reasons[bucket] = f"exploring b={trial.block} in turns with b={trial.back_to}"
             continue
         state.exploring.pop(bucket, None)
         back_to = trial.back_to if trial is not None else current
         state.table[bucket], reasons[bucket] = _choose(goodput[bucket], back_to, settings)
+        if bucket in paired:
+            reasons[bucket] += f"; paired trial: b={trial.block} step {paired[bucket]:.3f}x b={back_to}'s"
         live = _live(state, settings, bucket)
         if state.table[bucket] != back_to and state.table[bucket] not in live and live:
             # An estimate is not a measurement: run the new block as a trial and
@@ -172,17 +187,21 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
             # (the block it left, unless another measured one beats it by the
             # switch margin: a neighbour's one trial is not a reason to switch).
             anchor, _ = _choose({b: goodput[bucket][b] for b in live}, back_to, settings)
-            state.exploring[bucket] = _start_trial(state, bucket, state.table[bucket], anchor, obs.time)
+            state.exploring[bucket] = _start_trial(state, bucket, state.table[bucket], anchor, obs)
             reasons[bucket] += f"; not run here yet: a trial, back to b={anchor} unless it holds up"
             continue
         best_case = {b: expected_acceptance_length(reachable, b) / t for b, t in times.items()}
         trial_b = _stale_candidate(state, settings, bucket, goodput[bucket], best_case, obs.time)
         if trial_b is not None:
-            state.exploring[bucket] = _start_trial(state, bucket, trial_b, state.table[bucket], obs.time)
+            state.exploring[bucket] = _start_trial(state, bucket, trial_b, state.table[bucket], obs)
             reasons[bucket] += f"; exploring b={trial_b}"
             state.table[bucket] = trial_b
     _seed_unmeasured(state, reasons, goodput)
-    policy = BlockPolicy(tuple(bucket_min_batch(b) for b in BUCKETS), tuple(state.table[b] for b in BUCKETS))
+    policy = BlockPolicy(
+        tuple(bucket_min_batch(b) for b in BUCKETS),
+        tuple(state.table[b] for b in BUCKETS),
+        tuple(state.decided(b) for b in BUCKETS) if state.exploring else (),
+    )
     return Decision(policy, dict(state.table), goodput, reasons), state
 
 
@@ -309,9 +328,41 @@ def _step_times(
     return {**times, **points}
 
 
-def _start_trial(state: ControllerState, bucket: str, block: int, back_to: int, now: float) -> Trial:
+def _start_trial(state: ControllerState, bucket: str, block: int, back_to: int, obs: Observation) -> Trial:
     cell = state.estimates.step_time.get((bucket, block))
-    return Trial(block, back_to, now, cell.samples if cell is not None else 0.0)
+    counters = tuple(obs.step_seconds.get((bucket, b), (0.0, 0.0)) for b in (block, back_to))
+    samples = cell.samples if cell is not None else 0.0
+    return Trial(block, back_to, obs.time, samples, counters, state.estimates.restarts)
+
+
+def _paired_window(
+    state: ControllerState, settings: ControllerSettings, bucket: str, trial: Trial, obs: Observation
+) -> tuple[float, float] | None:
+    """(mean step time of the trial block over that of the block it took turns
+    with, the trial block's steps) over the trial's window, once both ran
+    ``min_steps`` steps in it (None before, or if counters restarted since)."""
+    if state.estimates.restarts != trial.restarts_at_start:
+        return None
+    means, counts = [], []
+    for b, (seconds_then, steps_then) in zip((trial.block, trial.back_to), trial.counters_at_start, strict=True):
+        seconds, steps = obs.step_seconds.get((bucket, b), (0.0, 0.0))
+        if steps - steps_then < settings.min_steps or seconds <= seconds_then:
+            return None
+        means.append((seconds - seconds_then) / (steps - steps_then))
+        counts.append(steps - steps_then)
+    return means[0] / means[1], counts[0]
+
+
+def _record_paired_trials(state: ControllerState, settings: ControllerSettings, obs: Observation) -> dict[str, float]:
+    """Record each trial whose paired window is complete in the estimates;
+    bucket -> ratio of those."""
+    done = {}
+    for bucket, trial in state.exploring.items():
+        window = _paired_window(state, settings, bucket, trial, obs)
+        if window is not None:
+            state.estimates.record_pair((bucket, trial.block), trial.back_to, *window)
+            done[bucket] = window[0]
+    return done
 
 
 def _trial_done(state: ControllerState, settings: ControllerSettings, bucket: str, trial: Trial, now: float) -> bool:

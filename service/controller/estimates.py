@@ -62,11 +62,14 @@ class Estimates:
     busy_at_update: dict[Cell, float] = field(default_factory=dict)  # the bucket's busy seconds when the cell last ran
     # The bucket's other cells when the cell last ran: block -> (mean, decayed step count).
     peers_at_update: dict[Cell, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    restarts: int = 0  # counter resets seen (a replica restarted)
 
     def update(self, obs: Observation, half_life_s: float) -> None:
         """Fold the counter deltas since the previous observation in."""
         previous, self.baseline = self.baseline, obs
-        if previous is None or _restarted(previous, obs):
+        restarted = previous is not None and _restarted(previous, obs)
+        self.restarts += restarted
+        if previous is None or restarted:
             return
         decay = 0.5 ** (max(0.0, obs.time - previous.time) / half_life_s)
         deltas = {}
@@ -120,6 +123,20 @@ class Estimates:
             then, count = self.peers_at_update.get((bucket, b), {}).get(reference, (0.0, 0.0))
             carried[b] = mean * (means[reference] / then if b != reference and then > 0 and count >= min_steps else 1.0)
         return carried
+
+    def record_pair(self, cell: Cell, partner: int, ratio: float, steps: float) -> None:
+        """A paired measurement: ``cell``'s block ran ``ratio`` times the step time
+        of the bucket's ``partner`` block, the two taking turns step by step.
+        The cell's mean becomes ``ratio`` x the partner's mean, resting on
+        ``steps`` steps, and each cell's snapshot of the other is the pair, so
+        carrying either to the present (``comparable_means``) keeps the ratio
+        whichever of them runs on."""
+        bucket, block = cell
+        partner_cell = self.step_time[(bucket, partner)]
+        own = self.step_time.setdefault(cell, Decayed())
+        own.total, own.count = ratio * partner_cell.mean * steps, steps
+        self.peers_at_update.setdefault(cell, {})[partner] = (partner_cell.mean, partner_cell.count)
+        self.peers_at_update.setdefault((bucket, partner), {})[block] = (own.mean, own.count)
 
     def busy_since(self, cell: Cell) -> float:
         """Seconds the cell's bucket has decoded since the cell last ran (inf if

@@ -36,6 +36,7 @@ from service.engine.types import (
 from service.metrics import Metrics
 from speculative.checkpoint import load_draft
 from speculative.draft import DFlashDraftModel
+from speculative.policy import Turns
 from speculative.session import DecodeSession, RoundStats
 from speculative.target import TargetModel
 
@@ -98,6 +99,7 @@ class NativeEngine:
         self._draining = False
         self._stopped = False
         self._last_block = self._policy.block_size(1)
+        self._turns = Turns()
         self._thread = threading.Thread(target=self._run, name="dflash-scheduler", daemon=True)
 
     @classmethod
@@ -155,8 +157,8 @@ class NativeEngine:
         return self.target.context_length
 
     def _check_policy(self, policy: BlockPolicy) -> None:
-        if max(policy.block_sizes) > self.session.max_block_size:
-            raise ValueError(f"policy block sizes {policy.block_sizes} exceed {self.session.max_block_size}")
+        if policy.largest > self.session.max_block_size:
+            raise ValueError(f"policy block sizes {policy.to_dict()} exceed {self.session.max_block_size}")
 
     # ----------------------------------------------------------------- requests
 
@@ -249,7 +251,7 @@ class NativeEngine:
 
     def _step(self, policy: BlockPolicy) -> None:
         batch = len(self.session)
-        b = policy.block_size(batch)
+        b = self._turns.block_size(policy, batch)
         stats, emitted = self.session.step(b)
         self._last_block = b
         if self.on_step is not None:

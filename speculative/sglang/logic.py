@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from speculative.policy import BlockPolicy
+from speculative.policy import BlockPolicy, Turns
 
 ADAPTIVE_ALGORITHM = "DFLASH_ADAPTIVE"
 UPSTREAM_ALGORITHM = "DFLASH"
@@ -59,14 +59,15 @@ def resolve_algorithm(name: str | None) -> tuple[str | None, bool]:
 
 def check_policy(policy: BlockPolicy, trained_block_size: int) -> None:
     """A pushed policy must fit the drafter: ValueError (the RPC caller sees it)."""
-    if max(policy.block_sizes) > trained_block_size:
-        raise ValueError(f"policy block sizes {policy.block_sizes} exceed the draft's block {trained_block_size}")
+    if policy.largest > trained_block_size:
+        raise ValueError(f"policy block sizes {policy.to_dict()} exceed the draft's block {trained_block_size}")
 
 
-def step_block_size(policy: BlockPolicy, batch_size: int, trained_block_size: int) -> int:
-    """The block to verify this step: the policy's entry for the batch size,
-    within [MIN_BLOCK_SIZE, trained_block_size]."""
-    return max(MIN_BLOCK_SIZE, min(policy.block_size(max(1, batch_size)), trained_block_size))
+def step_block_size(policy: BlockPolicy, batch_size: int, trained_block_size: int, turns: Turns) -> int:
+    """The block to verify this step: the policy's entry for the batch size
+    (taking ``turns`` with its alternate, if any), within [MIN_BLOCK_SIZE,
+    trained_block_size]."""
+    return max(MIN_BLOCK_SIZE, min(turns.block_size(policy, max(1, batch_size)), trained_block_size))
 
 
 class BlockStateCache:

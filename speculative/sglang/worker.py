@@ -31,7 +31,7 @@ import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
 
-from speculative.policy import BlockPolicy
+from speculative.policy import BlockPolicy, Turns
 from speculative.sglang.logic import BlockStateCache, StepCounters, check_policy, step_block_size
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         super().__init__(*args, **kwargs)
         self.trained_block_size = int(self.block_size)
         self.block_policy = BlockPolicy.fixed(self.trained_block_size)
+        self.block_turns = Turns()
         self.block_states = BlockStateCache(self, self._fresh_block_state)
         self.step_counters = StepCounters()
         self._pending: list[_PendingStep] = []
@@ -57,7 +58,7 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, *args, **kwargs):
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode:
-            block = step_block_size(self.block_policy, len(batch.seq_lens), self.trained_block_size)
+            block = step_block_size(self.block_policy, len(batch.seq_lens), self.trained_block_size, self.block_turns)
             if self.block_states.activate(block):
                 self.draft_model.set_block_size(block)
             started = _StepClock.start(self.device)
