@@ -343,14 +343,14 @@ def _paired_window(
     ``min_steps`` steps in it (None before, or if counters restarted since)."""
     if state.estimates.restarts != trial.restarts_at_start:
         return None
-    means, counts = [], []
-    for b, (seconds_then, steps_then) in zip((trial.block, trial.back_to), trial.counters_at_start, strict=True):
-        seconds, steps = obs.step_seconds.get((bucket, b), (0.0, 0.0))
-        if steps - steps_then < settings.min_steps or seconds <= seconds_then:
-            return None
-        means.append((seconds - seconds_then) / (steps - steps_then))
-        counts.append(steps - steps_then)
-    return means[0] / means[1], counts[0]
+    now = [obs.step_seconds.get((bucket, b), (0.0, 0.0)) for b in (trial.block, trial.back_to)]
+    (trial_s, trial_n), (other_s, other_n) = [
+        (seconds - seconds_then, steps - steps_then)
+        for (seconds, steps), (seconds_then, steps_then) in zip(now, trial.counters_at_start, strict=True)
+    ]
+    if min(trial_n, other_n) < settings.min_steps or min(trial_s, other_s) <= 0:
+        return None
+    return (trial_s / trial_n) / (other_s / other_n), trial_n
 
 
 def _record_paired_trials(state: ControllerState, settings: ControllerSettings, obs: Observation) -> dict[str, float]:
