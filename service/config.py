@@ -34,7 +34,7 @@ class ServeSettings(BaseSettings):
     controller: bool = Field(default=True, description="adapt the block size to load in-process")
     controller_interval_s: float = Field(default=10.0, gt=0, description="seconds between controller decisions")
     controller_trial_interval_s: float = Field(
-        default=0.5, gt=0, description="seconds between decisions in the first interval of a trial block"
+        default=0.5, gt=0, description="seconds between decisions while a trial block is young or its bucket decodes"
     )
     profile_startup: bool = Field(default=False, description="time a few steps per batch/block size before serving")
     sglang_args: dict[str, Any] = Field(

@@ -584,6 +584,31 @@ def test_loop_decides_often_while_a_trial_runs():
     assert loop_with(1.0, 5.0).trial_interval_s == 1.0
 
 
+def test_loop_decides_often_while_an_old_trial_fills():
+    # A trial that began while its bucket was idle is past its first interval
+    # when traffic returns; it is still judged on the fast cadence while its
+    # bucket decodes, and on the slow one once the bucket is idle again.
+    now = [10_000.0]
+    steps = {"8-15": 0.0, "1": 0.0}
+
+    def observe(at):
+        cells = {("8-15", 2): (0.01 * steps["8-15"], steps["8-15"]), ("1", 16): (0.01 * steps["1"], steps["1"])}
+        return Observation(at, cells, {}, {})
+
+    loop = ControllerLoop(observe, lambda policy: None, ControllerSettings(), 16,
+                          ControllerMetrics(CollectorRegistry()), interval_s=10.0, trial_interval_s=0.5,
+                          clock=lambda: now[0])  # fmt: skip
+    loop.tick()  # the baseline
+    loop.state.exploring["8-15"] = Trial(block=2, back_to=16, since=now[0] - 60, samples_at_start=0.0, **UNPAIRED)
+    assert loop.next_wait_s() == 10.0
+    for bucket, expected in (("8-15", 0.5), ("1", 10.0)):
+        now[0] += 0.5
+        steps[bucket] += 3  # fewer than min_steps: the trial stays open
+        loop.tick()
+        assert "8-15" in loop.state.exploring
+        assert loop.next_wait_s() == expected
+
+
 def test_loop_retries_a_failed_push():
     registry = CollectorRegistry()
     engine = SimulatedEngine(batches=(1,))

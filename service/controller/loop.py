@@ -48,11 +48,14 @@ class ControllerLoop:
     """Runs ``decide`` on a thread (or by ``tick`` in tests). The policy is
     pushed when it changes and, with ``repush_s``, again once the last push is
     that old (replicas that restarted or were added get it too).
-    ``trial_interval_s``: during the first ``interval_s`` of a trial, decide this
-    often instead (a trial ends once its cell has enough steps; waiting out a
-    10 s interval would run a block the controller already found worse for
-    most of it). A trial still open after that is in a bucket with little
-    traffic, where looking more often only costs.
+    ``trial_interval_s``: while a trial is in its first ``interval_s`` or its
+    bucket decoded since the previous decision, decide this often instead (a
+    trial ends once its window has enough steps; waiting out a whole interval
+    would run a block the controller already found worse for most of it; a
+    trial that began while its bucket was idle is past its first interval when
+    traffic returns: on the slow cadence a batch 8-15 trial took ~5 s of a
+    13 s sweep level). A trial whose bucket is idle is judged on the slow
+    cadence: looking more often would only cost.
     ``counters_from_zero``: the observed counters started with this controller
     (in-process), so the first observation holds what ran before it, the
     start-up profile, kept as the step-time shape; otherwise (a replica's
@@ -80,6 +83,7 @@ class ControllerLoop:
         self.interval_s, self.repush_s, self.clock = interval_s, repush_s, clock
         self.trial_interval_s = min(interval_s, trial_interval_s or interval_s)
         self.pushed: BlockPolicy | None = None
+        self._decoded: set[str] = set()  # buckets that decoded between the last two observations
         self._pushed_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-controller", daemon=True)
@@ -92,12 +96,14 @@ class ControllerLoop:
             self.metrics.errors.labels("observe").inc()
             log.warning("controller keeps the last policy: %s", exc)
             return None
+        busy = dict(self.state.estimates.busy)
         try:
             decision, self.state = decide(observation, self.state, self.settings)
         except Exception:  # a bug must not stop the thread and freeze the policy unnoticed
             self.metrics.errors.labels("decide").inc()
             log.exception("controller decision failed; keeping the last policy")
             return None
+        self._decoded = {b for b, seconds in self.state.estimates.busy.items() if seconds > busy.get(b, 0.0)}
         self.metrics.export(decision)
         changed = decision.policy != self.pushed
         stale = self.repush_s is not None and self.clock() - self._pushed_at >= self.repush_s
@@ -113,10 +119,14 @@ class ControllerLoop:
         return decision
 
     def next_wait_s(self) -> float:
-        """Seconds until the next decision: shorter while a young trial runs."""
+        """Seconds until the next decision: shorter while a trial is young or
+        its bucket is decoding."""
         now = self.clock()
-        young = any(now - trial.since < self.interval_s for trial in self.state.exploring.values())
-        return self.trial_interval_s if young else self.interval_s
+        filling = any(
+            now - trial.since < self.interval_s or bucket in self._decoded
+            for bucket, trial in self.state.exploring.items()
+        )
+        return self.trial_interval_s if filling else self.interval_s
 
     def start(self) -> None:
         self._thread.start()
