@@ -11,6 +11,10 @@ import collections
 import json
 from dataclasses import dataclass, field
 
+CANDIDATE_BLOCK_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+"""The block sizes the controller chooses among by default (1 = plain
+decoding); the SGLang plugin captures CUDA graphs for these."""
+
 
 @dataclass(frozen=True)
 class BlockPolicy:

@@ -25,11 +25,13 @@ from speculative.sglang import plugin
 from speculative.sglang.logic import (
     ADAPTIVE_ENV,
     BLOCK_STATE_ATTRS,
+    GRAPH_BLOCKS_ENV,
     AcceptCounters,
     BlockStateCache,
     StepCell,
     StepCounters,
     check_policy,
+    graph_block_sizes,
     resolve_algorithm,
     step_block_size,
 )
@@ -112,20 +114,40 @@ def test_block_state_cache_refuses_incomplete_state():
         cache.activate(8)
 
 
+@pytest.mark.parametrize(
+    "value, trained, expected",
+    [
+        (None, 16, (2, 3, 4, 6, 8, 10, 12, 16)),  # the controller's candidates, b = 1 verified as 2
+        ("", 8, (2, 3, 4, 6, 8)),
+        (None, 5, (2, 3, 4, 5)),  # the trained block always has graphs
+        ("4, 8", 16, (4, 8, 16)),
+        ("16", 16, (16,)),  # only upstream's set
+    ],
+)
+def test_graph_block_sizes(value, trained, expected):
+    assert graph_block_sizes(value, trained) == expected
+
+
+@pytest.mark.parametrize("value", ["1,4", "4,32", "four"])
+def test_graph_block_sizes_refuses_blocks_never_run(value):
+    with pytest.raises(ValueError, match=GRAPH_BLOCKS_ENV):
+        graph_block_sizes(value, 16)
+
+
 def test_step_counters_per_batch_and_block_size():
     counters = StepCounters()
     counters.add_step([3, 0], block_size=4, seconds=0.02)
-    counters.add_step([1, 1], block_size=4, seconds=0.04)
+    counters.add_step([1, 1], block_size=4, seconds=0.04, graph=True)
     counters.add_step([5], block_size=8, seconds=0.01)
-    assert counters.cells[(2, 4)] == StepCell(2, pytest.approx(0.06), [3, 1, 1])
+    assert counters.cells[(2, 4)] == StepCell(2, pytest.approx(0.06), [3, 1, 1], graph_steps=1)
     assert counters.cells[(1, 8)] == StepCell(1, 0.01, [1, 1, 1, 1, 1, 0, 0])
     with pytest.raises(ValueError):
         counters.add_step([4], block_size=4, seconds=0.01)
     # Two data-parallel schedulers sum; a later report minus an earlier one is what is new.
     report = json.loads(json.dumps(counters.to_report()))
     doubled = StepCounters.from_reports([report, report])
-    assert doubled.cells[(2, 4)] == StepCell(4, pytest.approx(0.12), [6, 2, 2])
-    assert doubled.since(counters).cells == {(2, 4): StepCell(2, pytest.approx(0.06), [3, 1, 1]),
+    assert doubled.cells[(2, 4)] == StepCell(4, pytest.approx(0.12), [6, 2, 2], graph_steps=2)
+    assert doubled.since(counters).cells == {(2, 4): StepCell(2, pytest.approx(0.06), [3, 1, 1], graph_steps=1),
                                              (1, 8): StepCell(1, 0.01, [1, 1, 1, 1, 1, 0, 0])}  # fmt: skip
     assert counters.since(counters).cells == {}
     restarted = StepCounters()

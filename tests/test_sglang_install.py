@@ -179,7 +179,162 @@ def test_e_worker_counts_steps_and_their_time():
 
     worker = SimpleNamespace(_pending=[], step_counters=StepCounters(), trained_block_size=8)
     clock = _StepClock.start("cpu")
-    AdaptiveDFlashWorker._record_step(worker, torch.tensor([4, 1]), 4, clock)  # commit lengths: drafts + 1
+    AdaptiveDFlashWorker._record_step(worker, torch.tensor([4, 1]), 4, clock, True)  # commit lengths: drafts + 1
     assert not worker._pending and AcceptCounters.from_steps(worker.step_counters, 8).rows == 2
     cell = worker.step_counters.cells[(2, 4)]
-    assert cell.steps == 1 and cell.accepted_per_position == [1, 1, 1] and 0 < cell.seconds < 1
+    assert cell.steps == cell.graph_steps == 1 and cell.accepted_per_position == [1, 1, 1] and 0 < cell.seconds < 1
+
+
+# --- f ------------------------------------------------------------------------------------------
+@pytest.fixture
+def published_dflash_config(plugins_loaded, server_args_kwargs, monkeypatch):
+    """SGLang's process config for a DFLASH run with the b16 draft, as a scheduler has it."""
+    from sglang.srt.runtime_context import get_context, reset_context
+
+    monkeypatch.setenv(ADAPTIVE_ENV, "1")
+    sa = _server_args(server_args_kwargs, "DFLASH", "cuda")
+    sa.resolve_once()
+    get_context().set_server_args(sa)
+    yield
+    reset_context()
+
+
+def test_f_graph_capture_names_exist_upstream():
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    assert {"attn_backend", "speculative_num_draft_tokens"} <= set(
+        inspect.signature(DecodeCudaGraphRunner.__init__).parameters
+    )
+    assert "init_new_workspace" in inspect.signature(ModelRunner._get_attention_backend).parameters
+    runner_source = Path(inspect.getfile(ModelRunner)).read_text()
+    runner_attrs = ("init_new_workspace", "capture_tail_hooks", "decode_cuda_graph_runner", "eager_runner")
+    assert all(re.search(rf"self\.{a}\s*=", runner_source) for a in runner_attrs)
+    capture_source = Path(inspect.getfile(DecodeCudaGraphRunner)).read_text()
+    assert "self.model_runner.capture_tail_hooks" in capture_source  # read at capture: reassigning the list works
+    worker_source = Path(inspect.getfile(DFlashWorkerV2)).read_text()
+    worker_attrs = ("_maybe_build_draft_sampler", "_draft_sampler", "draft_model_runner", "draft_parallel_layout")
+    assert all(re.search(rf"self\.{a}\b", worker_source) for a in worker_attrs)
+    assert "can_run_cuda_graph" in GenerationBatchResult.__dataclass_fields__
+
+
+def _kernel_check(runner, out, forward_batch, num_tokens) -> None:
+    """A capture hook a kernel plugin installs at load (kept in every capture)."""
+
+
+class _Runner:
+    """A model runner as graph capture reads and writes it."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.made = name, 0
+        self.attn_backend = f"{name} backend 16"
+        self.init_new_workspace = False
+        self.capture_tail_hooks = [_kernel_check]
+        self.eager_runner = object()
+        self.decode_cuda_graph_runner = None
+
+    def _get_attention_backend(self, init_new_workspace: bool = False):
+        self.init_new_workspace = init_new_workspace  # as SGLang's backend setup does
+        self.made += 1
+        return f"{self.name} backend {self.made}"
+
+
+class _Sampler:
+    def __init__(self, block: int) -> None:
+        self.block, self.calls = block, 0
+
+    def __call__(self, hidden_states, input_ids=None) -> None:
+        self.calls += 1
+
+
+def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published_dflash_config, monkeypatch):
+    import contextlib
+
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    import speculative.sglang.worker as worker_module
+    from speculative.policy import BlockPolicy, Turns
+    from speculative.sglang.logic import BlockStateCache, StepCounters
+
+    worker = object.__new__(worker_module.AdaptiveDFlashWorker)
+    target, draft = _Runner("target"), _Runner("draft")
+    seen = []
+
+    class Graphs:  # stands for DecodeCudaGraphRunner: records what its capture read, runs the tail hooks
+        def __init__(self, model_runner, *, attn_backend=None, speculative_num_draft_tokens=None):
+            self.width, self.attn_backend = speculative_num_draft_tokens, attn_backend
+            out = LogitsProcessorOutput(next_token_logits=None, hidden_states=torch.zeros(2, 4))
+            hooks = model_runner.capture_tail_hooks
+            for hook in hooks:
+                hook(self, out, SimpleNamespace(input_ids=None), 2)
+            seen.append((model_runner.name, self.width, get_spec().speculative_num_draft_tokens, worker.block_size,
+                         worker.draft_model.block_size, attn_backend, len(hooks)))  # fmt: skip
+
+    def upstream_capture(self):  # DFlashWorkerV2.init_cuda_graphs at the trained block, on the stand-ins
+        self._draft_sampler = _Sampler(16)
+        draft.capture_tail_hooks.append(worker_module.make_draft_sampler_capture_hook(self._draft_sampler))
+        target.decode_cuda_graph_runner = Graphs(target, speculative_num_draft_tokens=16)
+        draft.decode_cuda_graph_runner = Graphs(draft, speculative_num_draft_tokens=16)
+
+    class DraftModel:
+        block_size = 16
+
+        def set_block_size(self, block: int) -> None:
+            self.block_size = block
+
+    monkeypatch.setattr(DFlashWorkerV2, "init_cuda_graphs", upstream_capture)
+    monkeypatch.setattr(worker_module, "draft_pp_context", contextlib.nullcontext)  # needs torch.distributed groups
+    monkeypatch.setenv("DFLASH_SERVE_GRAPH_BLOCKS", "4,8")
+    worker.__dict__.update(
+        _target_worker=SimpleNamespace(model_runner=target), draft_model_runner=draft, draft_model=DraftModel(),
+        draft_parallel_layout=SimpleNamespace(tp_group=None), device="cpu", trained_block_size=16, block_size=16,
+        block_policy=BlockPolicy.fixed(16), block_turns=Turns(), step_counters=StepCounters(), _pending=[],
+        block_runtimes={}, _draft_sampler=None, _logged_modes=set(),
+    )  # fmt: skip
+    worker._maybe_build_draft_sampler = lambda: _Sampler(worker.block_size)  # reads the block, as upstream's
+    worker.__dict__.update(worker._fresh_block_state(16))
+    worker.block_states = BlockStateCache(worker, worker._fresh_block_state)
+
+    worker.init_cuda_graphs()
+
+    assert sorted(worker.block_runtimes) == [4, 8, 16]
+    # Each extra set: a fresh backend, captured while SGLang's config, the worker and the draft read b.
+    assert seen[2:] == [
+        ("target", 4, 4, 4, 4, "target backend 1", 1), ("draft", 4, 4, 4, 4, "draft backend 1", 2),
+        ("target", 8, 8, 8, 8, "target backend 2", 1), ("draft", 8, 8, 8, 8, "draft backend 2", 2),
+    ]  # fmt: skip
+    samplers = {b: rt.draft_sampler for b, rt in worker.block_runtimes.items()}
+    assert {b: (s.block, s.calls) for b, s in samplers.items()} == {4: (4, 1), 8: (8, 1), 16: (16, 1)}
+    # Afterwards everything is back at the trained block.
+    trained_hooks = draft.capture_tail_hooks
+    assert get_spec().speculative_num_draft_tokens == 16 and worker.block_size == 16
+    assert worker.draft_model.block_size == 16 and len(trained_hooks) == 2
+    assert target.attn_backend == "target backend 16" and target.decode_cuda_graph_runner.width == 16
+    assert not target.init_new_workspace and worker._draft_sampler is samplers[16]
+
+    class Batch:
+        forward_mode = SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False)
+        is_extend_in_batch = False
+        seq_lens = (7, 9)
+
+    def upstream_step(self, batch, *args, **kwargs):  # what a decode step found active
+        ran.append((target.decode_cuda_graph_runner.width, draft.decode_cuda_graph_runner.width,
+                    draft.attn_backend, self._draft_sampler.block))  # fmt: skip
+        width = self.block_size
+        return SimpleNamespace(accept_lens=torch.tensor([1, width]), speculative_num_draft_tokens=width,
+                               can_run_cuda_graph=target.decode_cuda_graph_runner.width == width)  # fmt: skip
+
+    monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", upstream_step)
+    ran = []
+    for block in (8, 6, 4, 16):  # 6 has no set of its own: B's set, eager
+        worker.set_block_policy(BlockPolicy.fixed(block))
+        worker.forward_batch_generation(Batch())
+    assert ran == [(8, 8, "draft backend 2", 8), (16, 16, "draft backend 16", 16),
+                   (4, 4, "draft backend 1", 4), (16, 16, "draft backend 16", 16)]  # fmt: skip
+    graph_steps = {b: cell.graph_steps for (_, b), cell in worker.step_counters.cells.items()}
+    assert graph_steps == {8: 1, 6: 0, 4: 1, 16: 1}

@@ -5,7 +5,9 @@
 #
 # Needs: sglang==0.5.23 installed, then this package with --no-deps (docs/sglang.md).
 # 1. plain SGLang (no speculation) and dflash-serve --engine sglang (DFLASH_ADAPTIVE)
-#    answer the same greedy requests: the outputs must be identical;
+#    answer the same greedy requests: the outputs must be identical at the draft's
+#    block and at blocks 2, 4 and 8 set through /admin/policy (each with its own
+#    CUDA graphs: the log says "DFlash block b: verify replays a CUDA graph");
 # 2. dflash-load at concurrency 1, 8, 32 against plain SGLang, dflash-serve with a
 #    fixed block (--block-size = the draft's block, no controller) and adaptive
 #    (controller on): tokens/s, TTFT, ITL and tau per level.
@@ -63,21 +65,36 @@ for mode in fixed adaptive; do
   echo "== dflash-serve --engine sglang ($mode)"
   if [ "$mode" = fixed ]; then flags=(--controller false); else flags=(--controller true --controller-interval-s 5); fi
   dflash-serve --engine sglang --device cuda --target "$TARGET" --draft "$DRAFT" --port "$DFLASH_PORT" \
-    --max-batch-size 32 "${flags[@]}" > "$OUT/dflash-$mode.log" 2>&1 &
+    --max-batch-size 32 --admin-key smoke "${flags[@]}" > "$OUT/dflash-$mode.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$DFLASH_PORT/ready"
   if [ "$mode" = fixed ]; then
     greedy_outputs "http://127.0.0.1:$DFLASH_PORT" "$OUT/dflash.json"
+    for b in 2 4 8; do
+      curl -sf -X POST "http://127.0.0.1:$DFLASH_PORT/admin/policy" -H "Authorization: Bearer smoke" \
+        -H "Content-Type: application/json" -d "{\"min_batch\": [1], \"block_sizes\": [$b]}" >/dev/null
+      greedy_outputs "http://127.0.0.1:$DFLASH_PORT" "$OUT/dflash-b$b.json"
+    done
+    trained=$(python -c "import sys; from speculative.config import DFlashConfig; print(DFlashConfig.from_file(sys.argv[1]).block_size)" "$DRAFT")
+    curl -sf -X POST "http://127.0.0.1:$DFLASH_PORT/admin/policy" -H "Authorization: Bearer smoke" \
+      -H "Content-Type: application/json" -d "{\"min_batch\": [1], \"block_sizes\": [$trained]}" >/dev/null
   fi
   dflash-load --url "http://127.0.0.1:$DFLASH_PORT" --concurrency 1 8 32 | tee "$OUT/load-$mode.txt"
   stop_all
 done
 
+echo "== CUDA graphs per block (from the worker's log)"
+grep -h "DFlash block\|captured DFlash graphs" "$OUT"/dflash-*.log | sort | uniq -c || true
+
 python - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
-plain, spec = json.load(open(f"{out}/plain.json")), json.load(open(f"{out}/dflash.json"))
-same = sum(a == b for a, b in zip(plain, spec))
-print(f"greedy outputs identical: {same}/{len(plain)}")
-sys.exit(0 if same == len(plain) else 1)
+plain = json.load(open(f"{out}/plain.json"))
+ok = True
+for name in ("dflash", "dflash-b2", "dflash-b4", "dflash-b8"):
+    spec = json.load(open(f"{out}/{name}.json"))
+    same = sum(a == b for a, b in zip(plain, spec))
+    print(f"{name}: greedy outputs identical to plain SGLang: {same}/{len(plain)}")
+    ok = ok and same == len(plain)
+sys.exit(0 if ok else 1)
 PY

@@ -47,7 +47,7 @@ import copy
 from dataclasses import dataclass, field
 
 from service.controller.estimates import Estimates, Observation, expected_acceptance_length
-from speculative.policy import BlockPolicy
+from speculative.policy import CANDIDATE_BLOCK_SIZES, BlockPolicy
 
 BUCKETS = ("1", "2-3", "4-7", "8-15", "16-31", "32-63", "64+")
 
@@ -80,7 +80,7 @@ class ControllerSettings:
         no bucket has measured both (0.75: the draft forward adds a third).
     """
 
-    candidates: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+    candidates: tuple[int, ...] = CANDIDATE_BLOCK_SIZES
     max_block_size: int = 16
     half_life_s: float = 60.0
     min_steps: float = 20.0

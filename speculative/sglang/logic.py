@@ -1,5 +1,6 @@
 """The plugin's logic that does not need SGLang: algorithm names, the per-step
-block size, per-block-size worker state, and acceptance and step-time accounting.
+block size, per-block-size worker state and CUDA graph sets, and acceptance and
+step-time accounting.
 
 Everything here runs (and is tested) on CPU; ``worker.py`` and ``plugin.py``
 apply it inside SGLang's scheduler processes.
@@ -10,13 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from speculative.policy import BlockPolicy, Turns
+from speculative.policy import CANDIDATE_BLOCK_SIZES, BlockPolicy, Turns
 
 ADAPTIVE_ALGORITHM = "DFLASH_ADAPTIVE"
 UPSTREAM_ALGORITHM = "DFLASH"
 ADAPTIVE_ENV = "DFLASH_SERVE_ADAPTIVE"
 """Set to "1" in the launching process (inherited by the spawned schedulers):
 the DFlash worker becomes ``AdaptiveDFlashWorker``."""
+
+GRAPH_BLOCKS_ENV = "DFLASH_SERVE_GRAPH_BLOCKS"
+"""Comma-separated block sizes that get their own CUDA graphs (the trained
+block always has them); unset or empty: every controller candidate up to the
+trained block. Each set costs GPU memory and capture time at start-up."""
 
 MIN_BLOCK_SIZE = 2
 """The smallest block the plugin verifies. b = 1 (plain decoding) is mapped to 2:
@@ -70,6 +76,40 @@ def step_block_size(policy: BlockPolicy, batch_size: int, trained_block_size: in
     return max(MIN_BLOCK_SIZE, min(turns.block_size(policy, max(1, batch_size)), trained_block_size))
 
 
+def graph_block_sizes(value: str | None, trained_block_size: int) -> tuple[int, ...]:
+    """The block sizes to capture CUDA graphs for (``GRAPH_BLOCKS_ENV``'s value),
+    the trained block included. ValueError on a size the worker never runs."""
+    if not value or not value.strip():
+        blocks = {max(MIN_BLOCK_SIZE, b) for b in CANDIDATE_BLOCK_SIZES if b <= trained_block_size}
+    else:
+        try:
+            blocks = {int(part) for part in value.split(",")}
+        except ValueError:
+            raise ValueError(f"{GRAPH_BLOCKS_ENV} must be comma-separated integers, got {value!r}") from None
+        wrong = sorted(b for b in blocks if not MIN_BLOCK_SIZE <= b <= trained_block_size)
+        if wrong:
+            raise ValueError(
+                f"{GRAPH_BLOCKS_ENV}: block sizes {wrong} outside [{MIN_BLOCK_SIZE}, {trained_block_size}] "
+                "(the smallest block the plugin verifies, the draft's block)"
+            )
+    return tuple(sorted(blocks | {trained_block_size}))
+
+
+@dataclass(frozen=True)
+class BlockRuntime:
+    """What a decode step at one block size runs on: the target's and the
+    draft's attention backends and graph runners (captured at that width) and
+    the draft sampler folded into the draft graph (None: argmax runs eagerly).
+    One set per block size, swapped in before a step, as SGLang's adaptive
+    EAGLE keeps one runtime state per step count."""
+
+    target_attn_backend: object
+    target_graph_runner: object | None
+    draft_attn_backend: object
+    draft_graph_runner: object | None
+    draft_sampler: object | None
+
+
 class BlockStateCache:
     """One set of ``BLOCK_STATE_ATTRS`` per block size on ``worker``.
 
@@ -102,15 +142,18 @@ class BlockStateCache:
 
 @dataclass
 class StepCell:
-    """Cumulative verify steps of one (batch size, block size): how many, their
-    device seconds, and accepted drafts per block position (slot k + 1)."""
+    """Cumulative verify steps of one (batch size, block size): how many, how
+    many replayed the target's CUDA graph, their device seconds, and accepted
+    drafts per block position (slot k + 1)."""
 
     steps: int = 0
     seconds: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
+    graph_steps: int = 0
 
-    def add(self, steps: int, seconds: float, accepted_per_position: Sequence[int]) -> None:
+    def add(self, steps: int, seconds: float, accepted_per_position: Sequence[int], graph_steps: int = 0) -> None:
         self.steps += steps
+        self.graph_steps += graph_steps
         self.seconds += seconds
         self.accepted_per_position = [
             a + b for a, b in zip(self.accepted_per_position, accepted_per_position, strict=True)
@@ -131,17 +174,18 @@ class StepCounters:
             self.cells[key] = StepCell(accepted_per_position=[0] * (block_size - 1))
         return self.cells[key]
 
-    def add_step(self, accept_lengths: Sequence[int], block_size: int, seconds: float) -> None:
-        """Fold one step: ``accept_lengths[i]`` drafts of row i accepted (0 .. b - 1)."""
+    def add_step(self, accept_lengths: Sequence[int], block_size: int, seconds: float, graph: bool = False) -> None:
+        """Fold one step: ``accept_lengths[i]`` drafts of row i accepted (0 .. b - 1);
+        ``graph``: the target verified by replaying a CUDA graph."""
         if any(not 0 <= n < block_size for n in accept_lengths):
             raise ValueError(f"accept lengths {list(accept_lengths)} outside 0..{block_size - 1}")
         per_position = [sum(n > k for n in accept_lengths) for k in range(block_size - 1)]
-        self.cell(len(accept_lengths), block_size).add(1, seconds, per_position)
+        self.cell(len(accept_lengths), block_size).add(1, seconds, per_position, int(graph))
 
     def to_report(self) -> list[dict]:
         """JSON-ready rows (SGLang ships internal state as builtins)."""
-        return [{"batch_size": batch, "block_size": b, "steps": c.steps, "seconds": c.seconds,
-                 "accepted_per_position": list(c.accepted_per_position)}
+        return [{"batch_size": batch, "block_size": b, "steps": c.steps, "graph_steps": c.graph_steps,
+                 "seconds": c.seconds, "accepted_per_position": list(c.accepted_per_position)}
                 for (batch, b), c in sorted(self.cells.items())]  # fmt: skip
 
     @classmethod
@@ -151,7 +195,8 @@ class StepCounters:
         for report in reports:
             for row in report:
                 cell = total.cell(int(row["batch_size"]), int(row["block_size"]))
-                cell.add(int(row["steps"]), float(row["seconds"]), [int(n) for n in row["accepted_per_position"]])
+                accepted = [int(n) for n in row["accepted_per_position"]]
+                cell.add(int(row["steps"]), float(row["seconds"]), accepted, int(row["graph_steps"]))
         return total
 
     def since(self, earlier: StepCounters) -> StepCounters:
@@ -164,7 +209,8 @@ class StepCounters:
             if cell.steps > before.steps:
                 accepted = zip(cell.accepted_per_position, before.accepted_per_position, strict=True)
                 delta.cells[key] = StepCell(cell.steps - before.steps, cell.seconds - before.seconds,
-                                            [now - then for now, then in accepted])  # fmt: skip
+                                            [now - then for now, then in accepted],
+                                            cell.graph_steps - before.graph_steps)  # fmt: skip
         return delta
 
 

@@ -15,24 +15,48 @@ What stays correct when b changes between steps:
 - Step metrics: ``StepCounters`` keeps steps, device seconds (CUDA events around
   the step) and per-position acceptance per (batch size, b), reported through
   ``get_internal_state`` for the service's Prometheus metrics and controller.
-- CUDA graphs: upstream captures target-verify and draft graphs at width B
-  only; a step at another b runs eagerly (SGLang's ``can_run_graph`` rejects
-  the width), which is correct but forgoes graphs at that b. Per-b graph sets
-  (as EAGLE's adaptive runtime states keep) are the next step.
+- CUDA graphs: upstream captures the target-verify and draft graphs at width
+  B. ``init_cuda_graphs`` then captures one more set per block size of
+  ``GRAPH_BLOCKS_ENV`` (default: the controller's candidates), as SGLang's
+  adaptive EAGLE keeps one runtime state per step count: for each b, a new
+  attention backend (its own graph buffers) and a graph runner of the same
+  class at width b for the target and the draft, and the draft sampler folded
+  into the draft graph, captured while SGLang's spec config, the worker's block
+  state and the draft model read b. A step swaps in its b's set
+  (``BlockRuntime``); a block without one (a policy pushed with other sizes)
+  runs on B's set, eagerly, since the graphs reject its width. Every step
+  counts whether the target replayed a graph (``graph_steps``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+from sglang.srt.runtime_context import get_context, get_spec
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
-from sglang.srt.speculative.draft_worker_common import build_block_pos_offsets, make_draft_block_spec_info
+from sglang.srt.speculative.draft_worker_common import (
+    build_block_pos_offsets,
+    make_draft_block_spec_info,
+    make_draft_sampler_capture_hook,
+)
+from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
 
 from speculative.policy import BlockPolicy, Turns
-from speculative.sglang.logic import BlockStateCache, StepCounters, check_policy, step_block_size
+from speculative.sglang.logic import (
+    GRAPH_BLOCKS_ENV,
+    BlockRuntime,
+    BlockStateCache,
+    StepCounters,
+    check_policy,
+    graph_block_sizes,
+    step_block_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +71,81 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         self.block_turns = Turns()
         self.block_states = BlockStateCache(self, self._fresh_block_state)
         self.step_counters = StepCounters()
+        self.block_runtimes: dict[int, BlockRuntime] = {}
         self._pending: list[_PendingStep] = []
+        self._logged_modes: set[tuple[int, bool]] = set()
+
+    def init_cuda_graphs(self) -> None:
+        """Upstream's graphs at the trained block, then one set per other block
+        of ``GRAPH_BLOCKS_ENV`` (none when upstream captured no draft or target
+        graphs: CUDA graphs disabled, or a configuration upstream runs eagerly)."""
+        draft_runner = self.draft_model_runner
+        hooks_before = list(draft_runner.capture_tail_hooks)
+        super().init_cuda_graphs()
+        trained = self.trained_block_size
+        self.block_runtimes = {trained: self._current_runtime()}
+        blocks = graph_block_sizes(os.environ.get(GRAPH_BLOCKS_ENV), trained)
+        if not (_owns_graphs(self._target_worker.model_runner) and _owns_graphs(draft_runner)):
+            log.info("no CUDA graphs at the trained block %d: every block size runs eagerly", trained)
+            return
+        for block in blocks:
+            if block != trained:
+                started = time.perf_counter()
+                self.block_runtimes[block] = self._capture_runtime(block, hooks_before)
+                log.info("captured DFlash graphs for block %d in %.1f s", block, time.perf_counter() - started)
+        self._apply_runtime(self.block_runtimes[trained])
+
+    def _current_runtime(self) -> BlockRuntime:
+        target, draft = self._target_worker.model_runner, self.draft_model_runner
+        return BlockRuntime(target.attn_backend, target.decode_cuda_graph_runner, draft.attn_backend,
+                            draft.decode_cuda_graph_runner, self._draft_sampler)  # fmt: skip
+
+    def _apply_runtime(self, runtime: BlockRuntime) -> None:
+        target, draft = self._target_worker.model_runner, self.draft_model_runner
+        target.attn_backend, target.decode_cuda_graph_runner = runtime.target_attn_backend, runtime.target_graph_runner
+        draft.attn_backend, draft.decode_cuda_graph_runner = runtime.draft_attn_backend, runtime.draft_graph_runner
+        self._draft_sampler = runtime.draft_sampler
+
+    def _capture_runtime(self, block: int, draft_hooks: list) -> BlockRuntime:
+        """Backends and graphs for ``block``: what upstream builds at start-up for
+        the trained block, built again while everything it reads says ``block``.
+        ``draft_hooks``: the draft runner's capture hooks other than the trained
+        block's sampler (which folds B-wide argmaxes into the graph)."""
+        trained = self._current_runtime()
+        target, draft = self._target_worker.model_runner, self.draft_model_runner
+        with self._capturing_at(block):
+            target_backend = _fresh_attention_backend(target)
+            target_graphs = type(trained.target_graph_runner)(
+                target, attn_backend=target_backend, speculative_num_draft_tokens=block
+            )
+            with draft_pp_context(), draft_tp_context(self.draft_parallel_layout):
+                draft_backend = _fresh_attention_backend(draft)
+                sampler = self._maybe_build_draft_sampler()  # reads self.block_size
+                sampler_hooks = [make_draft_sampler_capture_hook(sampler)] if sampler is not None else []
+                trained_hooks, draft.capture_tail_hooks = draft.capture_tail_hooks, [*draft_hooks, *sampler_hooks]
+                try:
+                    draft_graphs = type(trained.draft_graph_runner)(
+                        draft, attn_backend=draft_backend, speculative_num_draft_tokens=block
+                    )
+                finally:
+                    draft.capture_tail_hooks = trained_hooks
+        self._apply_runtime(trained)
+        return BlockRuntime(target_backend, target_graphs, draft_backend, draft_graphs, sampler)
+
+    @contextlib.contextmanager
+    def _capturing_at(self, block: int) -> Iterator[None]:
+        """SGLang's spec config, the worker's block state and the draft model at
+        ``block`` (as adaptive EAGLE overrides them for its captures); restored after."""
+        published = get_spec().speculative_num_draft_tokens
+        get_context().override("adaptive_spec.capture_override", speculative_num_draft_tokens=block)
+        self.block_states.activate(block)
+        self.draft_model.set_block_size(block)
+        try:
+            yield
+        finally:
+            get_context().override("adaptive_spec.capture_restore", speculative_num_draft_tokens=published)
+            self.block_states.activate(self.trained_block_size)
+            self.draft_model.set_block_size(self.trained_block_size)
 
     def set_block_policy(self, policy: BlockPolicy) -> None:
         """Use ``policy`` from the next decode step on (ValueError if it does not fit)."""
@@ -61,10 +159,16 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
             block = step_block_size(self.block_policy, len(batch.seq_lens), self.trained_block_size, self.block_turns)
             if self.block_states.activate(block):
                 self.draft_model.set_block_size(block)
+                if self.block_runtimes:
+                    self._apply_runtime(self.block_runtimes.get(block, self.block_runtimes[self.trained_block_size]))
             started = _StepClock.start(self.device)
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if decode and result.accept_lens is not None:
-            self._record_step(result.accept_lens, int(result.speculative_num_draft_tokens), started)
+            block, graph = int(result.speculative_num_draft_tokens), bool(result.can_run_cuda_graph)
+            if (block, graph) not in self._logged_modes:  # once each: the log shows which blocks replay graphs
+                self._logged_modes.add((block, graph))
+                log.info("DFlash block %d: verify %s", block, "replays a CUDA graph" if graph else "runs eagerly")
+            self._record_step(result.accept_lens, block, started, graph)
         return result
 
     def _fresh_block_state(self, block: int) -> dict[str, object]:
@@ -90,18 +194,18 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
             "_new_seq_lens_bufs": None,
         }
 
-    def _record_step(self, commit_lens: torch.Tensor, block: int, started: _StepClock) -> None:
+    def _record_step(self, commit_lens: torch.Tensor, block: int, started: _StepClock, graph: bool) -> None:
         """Queue this step's commit lengths (accepted drafts + 1) and timing for
         counting without a device sync: copied asynchronously, folded once the
         step's end event has completed (a later step), so overlap scheduling is kept."""
         # Pinned memory (PyTorch's caching host allocator) makes the copy truly asynchronous.
         host = torch.empty(commit_lens.shape, dtype=commit_lens.dtype, pin_memory=commit_lens.is_cuda)
         host.copy_(commit_lens, non_blocking=True)
-        self._pending.append(_PendingStep(host, block, started.stop()))
+        self._pending.append(_PendingStep(host, block, started.stop(), graph))
         while self._pending and self._pending[0].clock.done():
             step = self._pending.pop(0)
             drafts = [n - 1 for n in step.commit_lens.tolist()]
-            self.step_counters.add_step(drafts, step.block, step.clock.seconds())
+            self.step_counters.add_step(drafts, step.block, step.clock.seconds(), step.graph)
 
 
 class _StepClock:
@@ -140,3 +244,22 @@ class _PendingStep(NamedTuple):
     commit_lens: torch.Tensor
     block: int
     clock: _StepClock
+    graph: bool
+
+
+def _owns_graphs(model_runner) -> bool:
+    """Whether the runner captured decode graphs (a draft runner that did not
+    holds its eager runner there instead)."""
+    runner = model_runner.decode_cuda_graph_runner
+    return runner is not None and runner is not getattr(model_runner, "eager_runner", None)
+
+
+def _fresh_attention_backend(model_runner):
+    """A new attention backend of the runner's kind with its own workspace (a
+    graph runner sizes its backend's graph buffers to its width; sharing one
+    backend would resize the trained block's buffers under its graphs)."""
+    flag = model_runner.init_new_workspace
+    try:
+        return model_runner._get_attention_backend(init_new_workspace=True)
+    finally:
+        model_runner.init_new_workspace = flag
