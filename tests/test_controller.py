@@ -338,6 +338,27 @@ def test_a_trial_returns_to_the_block_it_left_unless_a_measured_one_beats_it_by_
     assert state.decided("1") == 1
 
 
+def test_a_bucket_without_live_steps_drafts_only_as_a_trial_against_plain_decoding():
+    # Batch 4-7 has only the start-up profile (b = 2 10 % slower than plain
+    # decoding) and S_1 = 0.35 seen at batch 1: on estimates a drafting block
+    # wins, so it runs in turns with plain decoding; live, b = 2 takes 1.8x a
+    # plain step and the bucket returns to b = 1.
+    settings = ControllerSettings(candidates=(1, 2), max_block_size=2, min_steps=20, min_verified=10)
+    state = ControllerState.initial(2)
+    state.estimates.profile = {("4-7", 1): 0.010, ("4-7", 2): 0.011, ("1", 1): 0.005, ("1", 2): 0.0055}
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    decision, state = decide(Observation(0.5, {}, {}, {}), state, settings)  # no acceptance seen yet
+    assert decision.table["4-7"] == 1 and "4-7" not in state.exploring  # plain decoding needs no trial
+    seen_at_batch_1 = {("1", 2): (0.55, 100.0)}
+    survival = ({1: 35.0}, {1: 100.0})
+    decision, state = decide(Observation(1.0, seen_at_batch_1, *survival), state, settings)
+    assert decision.table["4-7"] == 2 and "a trial, back to b=1" in decision.reasons["4-7"]
+    assert decision.policy.alternates[decision.policy.min_batch.index(4)] == 1
+    paired = {**seen_at_batch_1, ("4-7", 2): (0.9, 50.0), ("4-7", 1): (0.5, 50.0)}  # in turns: 18 vs 10 ms
+    decision, state = decide(Observation(2.0, paired, *survival), state, settings)
+    assert decision.table["4-7"] == 1 and "4-7" not in state.exploring, decision.reasons["4-7"]
+
+
 def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     # b = 2 has 100 old steps; re-measured, one update with 5 new steps does not
     # end the trial (a trial ended by the first fresh step judged the block on
@@ -400,6 +421,23 @@ def test_a_level_carries_from_a_reference_mean_that_rested_on_enough_steps_then(
     assert est.comparable_means("1", [1, 2], min_steps=20) == {1: 0.03, 2: pytest.approx(0.04)}
     est.peers_at_update[("1", 2)] = {1: (0.015, 5.0)}  # the 15 ms then rested on 5 steps: no level to carry
     assert est.comparable_means("1", [1, 2], min_steps=20) == {1: 0.03, 2: 0.02}
+
+
+def test_a_level_carries_through_the_most_recent_block_with_a_snapshot():
+    # b = 3 was paired with b = 2 (25 ms then, b = 3 1.1x that); plain decoding
+    # had never run when b = 3 last did. Now plain decoding runs, and b = 2 last
+    # ran at 40 ms with plain steps at 32 ms: b = 3 is 1.1 x 40 ms, not its 27.5 ms of then.
+    est = Estimates()
+    est.step_time[("4-7", 3)] = Decayed(total=2.75, count=100.0, samples=100.0, last_update=1.0)
+    est.peers_at_update[("4-7", 3)] = {2: (0.025, 100.0)}
+    est.step_time[("4-7", 2)] = Decayed(total=4.0, count=100.0, samples=900.0, last_update=8.0)
+    est.peers_at_update[("4-7", 2)] = {3: (0.0275, 100.0), 1: (0.032, 40.0)}
+    est.step_time[("4-7", 1)] = Decayed(total=3.6, count=100.0, samples=100.0, last_update=9.0)  # now 36 ms
+    means = est.comparable_means("4-7", [1, 2, 3], min_steps=20)
+    assert means == {1: pytest.approx(0.036), 2: pytest.approx(0.045), 3: pytest.approx(0.0495)}
+    # Without any snapshot to carry by, a block stays raw.
+    est.peers_at_update[("4-7", 3)] = {}
+    assert est.comparable_means("4-7", [1, 2, 3], min_steps=20)[3] == pytest.approx(0.0275)
 
 
 def test_plain_decoding_is_off_the_drafting_cost_line():

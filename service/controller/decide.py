@@ -181,12 +181,8 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         if bucket in paired:
             reasons[bucket] += f"; paired trial: b={trial.block} step {paired[bucket]:.3f}x b={back_to}'s"
         live = _live(state, settings, bucket)
-        if state.table[bucket] != back_to and state.table[bucket] not in live and live:
-            # An estimate is not a measurement: run the new block as a trial and
-            # come back to the best block measured here unless it holds up live
-            # (the block it left, unless another measured one beats it by the
-            # switch margin: a neighbour's one trial is not a reason to switch).
-            anchor, _ = _choose({b: goodput[bucket][b] for b in live}, back_to, settings)
+        anchor = _trial_anchor(state.table[bucket], back_to, live, goodput[bucket], settings)
+        if anchor is not None:
             state.exploring[bucket] = _start_trial(state, bucket, state.table[bucket], anchor, obs)
             reasons[bucket] += f"; not run here yet: a trial, back to b={anchor} unless it holds up"
             continue
@@ -212,6 +208,27 @@ def _choose(goodput: dict[int, float], current: int, settings: ControllerSetting
     if goodput[best] > goodput[current] * (1 + settings.switch_margin):
         return best, f"b={best}: {goodput[best] / goodput[current] - 1:+.1%} over b={current}"
     return current, f"keep b={current} (best b={best} within margin)"
+
+
+def _trial_anchor(
+    chosen: int, back_to: int, live: dict[int, float], goodput: dict[int, float], settings: ControllerSettings
+) -> int | None:
+    """The block a switch to ``chosen`` returns to unless it holds up live, or
+    None when the switch needs no trial. An estimate is not a measurement: a
+    block the bucket has not measured live runs as a trial, back to the best
+    block measured here (the block it left, unless another measured one beats
+    it by the switch margin: a neighbour's one trial is not a reason to
+    switch). A bucket with no live measurement at all goes to plain decoding
+    untried (it is never far from the best block), but to a drafting block
+    only as a trial against plain decoding: batch 4-7, before any traffic
+    there, left b = 1 for b = 2 on the start-up profile and acceptance seen at
+    batch 1, and ran drafting blocks at 0.84x plain decoding's throughput for
+    most of a sweep, b = 1 never collecting enough steps there to compete."""
+    if chosen == back_to or chosen in live:
+        return None
+    if live:
+        return _choose({b: goodput[b] for b in live}, back_to, settings)[0]
+    return 1 if chosen != 1 else None
 
 
 def _live(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:

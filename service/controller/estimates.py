@@ -115,17 +115,26 @@ class Estimates:
         against an old one decided (a paired trial measured b = 2 at 1.58x
         plain decoding's step time in batch 2-3; four minutes later, after the
         bucket had seen few steps, b = 2 was its best measured block, which
-        with S_1 near 0.35 only the raw comparison explains)."""
+        with S_1 near 0.35 only the raw comparison explains).
+        A block whose snapshot lacks the most recent block is carried by the
+        most recent block it has one of, itself carried first (most recent
+        first, so the levels chain): batch 4-7 had b = 3 from a paired trial
+        with b = 2 while plain decoding had never run there; once plain
+        decoding ran, b = 3's old mean against its new one said b = 3 was
+        14 % better, on a machine whose speed had since halved, and the bucket
+        ran b = 3 at 0.83x plain decoding's throughput for 25 minutes."""
         cells = {b: self.step_time[(bucket, b)] for b in blocks}
-        means = {b: cell.mean for b, cell in cells.items()}
-        if not means:
-            return means
-        reference = max(cells, key=lambda b: (cells[b].last_update, cells[b].samples))
-        carried = {}
-        for b, mean in means.items():
-            then, count = self.peers_at_update.get((bucket, b), {}).get(reference, (0.0, 0.0))
-            carried[b] = mean * (means[reference] / then if b != reference and then > 0 and count >= min_steps else 1.0)
-        return carried
+        carried: dict[int, float] = {}
+        for b in sorted(cells, key=lambda b: (cells[b].last_update, cells[b].samples), reverse=True):
+            snapshot = self.peers_at_update.get((bucket, b), {})
+            level = 1.0
+            for reference, now in carried.items():  # most recent first
+                then, count = snapshot.get(reference, (0.0, 0.0))
+                if then > 0 and count >= min_steps:
+                    level = now / then
+                    break
+            carried[b] = cells[b].mean * level
+        return {b: carried[b] for b in cells}
 
     def record_pair(self, cell: Cell, partner: int, ratio: float, steps: float) -> None:
         """A paired measurement: ``cell``'s block ran ``ratio`` times the step time
