@@ -201,6 +201,7 @@ def published_dflash_config(plugins_loaded, server_args_kwargs, monkeypatch):
 
 def test_f_graph_capture_names_exist_upstream():
     from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
@@ -210,7 +211,8 @@ def test_f_graph_capture_names_exist_upstream():
     )
     assert "init_new_workspace" in inspect.signature(ModelRunner._get_attention_backend).parameters
     runner_source = Path(inspect.getfile(ModelRunner)).read_text()
-    runner_attrs = ("init_new_workspace", "capture_tail_hooks", "decode_cuda_graph_runner", "eager_runner")
+    runner_attrs = ("init_new_workspace", "capture_tail_hooks", "decode_cuda_graph_runner", "eager_runner",
+                    "kv_index_translator")  # fmt: skip
     assert all(re.search(rf"self\.{a}\s*=", runner_source) for a in runner_attrs)
     capture_source = Path(inspect.getfile(DecodeCudaGraphRunner)).read_text()
     assert "self.model_runner.capture_tail_hooks" in capture_source  # read at capture: reassigning the list works
@@ -218,10 +220,19 @@ def test_f_graph_capture_names_exist_upstream():
     worker_attrs = ("_maybe_build_draft_sampler", "_draft_sampler", "draft_model_runner", "draft_parallel_layout")
     assert all(re.search(rf"self\.{a}\b", worker_source) for a in worker_attrs)
     assert "can_run_cuda_graph" in GenerationBatchResult.__dataclass_fields__
+    assert callable(KVIndexTranslator.bind_and_verify_backends)
 
 
 def _kernel_check(runner, out, forward_batch, num_tokens) -> None:
     """A capture hook a kernel plugin installs at load (kept in every capture)."""
+
+
+class _Translator:
+    def __init__(self) -> None:
+        self.bound: list = []
+
+    def bind_and_verify_backends(self, backends) -> None:
+        self.bound += backends
 
 
 class _Runner:
@@ -229,6 +240,7 @@ class _Runner:
 
     def __init__(self, name: str) -> None:
         self.name, self.made = name, 0
+        self.kv_index_translator = _Translator()
         self.attn_backend = f"{name} backend 16"
         self.init_new_workspace = False
         self.capture_tail_hooks = [_kernel_check]
@@ -316,6 +328,8 @@ def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published
     assert worker.draft_model.block_size == 16 and len(trained_hooks) == 2
     assert target.attn_backend == "target backend 16" and target.decode_cuda_graph_runner.width == 16
     assert not target.init_new_workspace and worker._draft_sampler is samplers[16]
+    assert target.kv_index_translator.bound == ["target backend 1", "target backend 2"]
+    assert draft.kv_index_translator.bound == ["draft backend 1", "draft backend 2"]
 
     class Batch:
         forward_mode = SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False)

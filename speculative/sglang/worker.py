@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-from sglang.srt.runtime_context import get_context, get_spec
+from sglang.srt.runtime_context import get_context, get_disagg, get_exec, get_spec
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import (
     build_block_pos_offsets,
@@ -87,6 +87,11 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         blocks = graph_block_sizes(os.environ.get(GRAPH_BLOCKS_ENV), trained)
         if not (_owns_graphs(self._target_worker.model_runner) and _owns_graphs(draft_runner)):
             log.info("no CUDA graphs at the trained block %d: every block size runs eagerly", trained)
+            return
+        if get_exec().overlap.enable_two_batch_overlap or get_disagg().enable_pdmux:
+            # Both wrap or split the attention backend per stream; a fresh plain
+            # backend per block would bypass that.
+            log.warning("two-batch overlap / PD multiplexing: CUDA graphs at block %d only", trained)
             return
         for block in blocks:
             if block != trained:
@@ -257,9 +262,12 @@ def _owns_graphs(model_runner) -> bool:
 def _fresh_attention_backend(model_runner):
     """A new attention backend of the runner's kind with its own workspace (a
     graph runner sizes its backend's graph buffers to its width; sharing one
-    backend would resize the trained block's buffers under its graphs)."""
+    backend would resize the trained block's buffers under its graphs), bound
+    to the runner's KV index translator as its start-up backends are."""
     flag = model_runner.init_new_workspace
     try:
-        return model_runner._get_attention_backend(init_new_workspace=True)
+        backend = model_runner._get_attention_backend(init_new_workspace=True)
     finally:
         model_runner.init_new_workspace = flag
+    model_runner.kv_index_translator.bind_and_verify_backends([backend])
+    return backend
