@@ -161,12 +161,16 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     allowed = settings.allowed
     survival = state.estimates.survival_curve(max(allowed) - 1, settings.min_verified)
     reachable = state.estimates.survival_upper_bound(max(allowed) - 1, settings.min_verified)
-    shape = _cost_shape(state, settings)
+    # The estimates are fixed for the rest of the decision: every bucket's
+    # measured cells once (recomputed per use, they were half of decide's time).
+    live = {bucket: _live(state, settings, bucket) for bucket in BUCKETS}
+    measured = {bucket: _measured(state, settings, bucket, live) for bucket in BUCKETS}
+    shape = _cost_shape(measured, settings)
     goodput: dict[str, dict[int, float]] = {}
     reasons: dict[str, str] = {}
     for bucket in BUCKETS:
         current = min(state.table[bucket], max(allowed))
-        times = _step_times(state, settings, bucket, shape)
+        times = _step_times(settings, measured[bucket], shape)
         if not times:
             state.table[bucket], reasons[bucket] = current, "no measurements"
             continue
@@ -180,14 +184,14 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         state.table[bucket], reasons[bucket] = _choose(goodput[bucket], back_to, settings)
         if bucket in paired:
             reasons[bucket] += f"; paired trial: b={trial.block} step {paired[bucket]:.3f}x b={back_to}'s"
-        live = _live(state, settings, bucket)
-        anchor = _trial_anchor(state.table[bucket], back_to, live, goodput[bucket], settings)
+        anchor = _trial_anchor(state.table[bucket], back_to, live[bucket], goodput[bucket], settings)
         if anchor is not None:
             state.exploring[bucket] = _start_trial(state, bucket, state.table[bucket], anchor, obs)
             reasons[bucket] += f"; not run here yet: a trial, back to b={anchor} unless it holds up"
             continue
         best_case = {b: expected_acceptance_length(reachable, b) / t for b, t in times.items()}
-        trial_b = _stale_candidate(state, settings, bucket, goodput[bucket], best_case, obs.time)
+        own_line = sum(b > 1 for b in measured[bucket]) >= 2
+        trial_b = _stale_candidate(state, settings, bucket, goodput[bucket], best_case, obs.time, own_line)
         if trial_b is not None:
             state.exploring[bucket] = _start_trial(state, bucket, trial_b, state.table[bucket], obs)
             reasons[bucket] += f"; exploring b={trial_b}"
@@ -246,7 +250,7 @@ def _live(state: ControllerState, settings: ControllerSettings, bucket: str) -> 
     return state.estimates.comparable_means(bucket, trusted, settings.min_steps)
 
 
-def _profile_level(state: ControllerState, settings: ControllerSettings, bucket: str, plain: bool) -> float:
+def _profile_level(state: ControllerState, bucket: str, plain: bool, live: dict[str, dict[int, float]]) -> float:
     """Live over profiled step time for plain decoding (``plain``) or for drafting
     blocks: the median ratio over the bucket's cells of that kind measured both
     ways, else over every bucket's cells of that kind, else over any cells of the
@@ -255,7 +259,6 @@ def _profile_level(state: ControllerState, settings: ControllerSettings, bucket:
     b = 1 ran 1.2x its profiled time, b = 8 and 16 1.5x; one shared ratio made
     b = 8 look 14 % better than plain decoding, and it measured 20 % worse)."""
     profile = state.estimates.profile
-    live = {k: _live(state, settings, k) for k in BUCKETS}
 
     def ratios(buckets: tuple[str, ...], kind: bool | None) -> list[float]:  # kind None: either
         return [
@@ -271,7 +274,9 @@ def _profile_level(state: ControllerState, settings: ControllerSettings, bucket:
     return 1.0
 
 
-def _measured(state: ControllerState, settings: ControllerSettings, bucket: str) -> dict[int, float]:
+def _measured(
+    state: ControllerState, settings: ControllerSettings, bucket: str, live: dict[str, dict[int, float]]
+) -> dict[int, float]:
     """Step times of the bucket's measured cells: live where trusted, else the
     start-up profile scaled to the live level of its kind (serving adds CPU
     contention the profile did not see: on 2 cores live steps ran up to 3x the
@@ -280,9 +285,9 @@ def _measured(state: ControllerState, settings: ControllerSettings, bucket: str)
     profile = state.estimates.profile
     profiled = {b: profile[(bucket, b)] for b in settings.allowed if (bucket, b) in profile}
     if not profiled:
-        return _live(state, settings, bucket)
-    levels = {plain: _profile_level(state, settings, bucket, plain) for plain in (True, False)}
-    return {**{b: t * levels[b == 1] for b, t in profiled.items()}, **_live(state, settings, bucket)}
+        return live[bucket]
+    levels = {plain: _profile_level(state, bucket, plain, live) for plain in (True, False)}
+    return {**{b: t * levels[b == 1] for b, t in profiled.items()}, **live[bucket]}
 
 
 def _fit(points: dict[int, float]) -> tuple[float, float]:
@@ -307,11 +312,10 @@ def _median(values: list[float], default: float) -> float:
     return sorted(values)[len(values) // 2] if values else default
 
 
-def _cost_shape(state: ControllerState, settings: ControllerSettings) -> _CostShape:
+def _cost_shape(measured: dict[str, dict[int, float]], settings: ControllerSettings) -> _CostShape:
     """Medians over buckets with at least two measured drafting cells (else the priors)."""
     slopes, ratios = [], []
-    for bucket in BUCKETS:
-        points = _measured(state, settings, bucket)
+    for points in measured.values():
         drafting = {b: t for b, t in points.items() if b > 1}
         if len(drafting) >= 2:
             a, c = _fit(drafting)
@@ -322,11 +326,9 @@ def _cost_shape(state: ControllerState, settings: ControllerSettings) -> _CostSh
     return _CostShape(_median(slopes, settings.prior_slope), _median(ratios, settings.prior_plain_ratio))
 
 
-def _step_times(
-    state: ControllerState, settings: ControllerSettings, bucket: str, shape: _CostShape
-) -> dict[int, float]:
-    """Estimated step time for every allowed b (measured where trusted)."""
-    points = _measured(state, settings, bucket)
+def _step_times(settings: ControllerSettings, points: dict[int, float], shape: _CostShape) -> dict[int, float]:
+    """Estimated step time for every allowed b, from the bucket's measured
+    ``points`` (kept where measured)."""
     if not points:
         return {}
     drafting = {b: t for b, t in points.items() if b > 1}
@@ -395,12 +397,13 @@ def _stale_candidate(
     goodput: dict[int, float],
     best_case: dict[int, float],
     now: float,
+    own_line: bool,
 ) -> int | None:
     """An adjacent candidate, or b = 1, with no or old data whose best-case
     goodput (unmeasured draft positions as good as the last measured one) is
     within ``explore_margin`` of the chosen block's estimate, if the bucket has
-    live traffic. Until the bucket has two measured drafting cells its step
-    times come from a borrowed slope (a guess: a crowded bucket is steeper
+    live traffic. Until the bucket has two measured drafting cells
+    (``own_line``) its step times come from a borrowed slope (a guess: a crowded bucket is steeper
     than the idle one it borrows from), so an adjacent drafting block is tried
     whatever that guess says."""
     chosen = state.table[bucket]
@@ -411,7 +414,6 @@ def _stale_candidate(
     allowed = settings.allowed
     i = allowed.index(chosen)
     neighbours = {allowed[j] for j in (i - 1, i + 1) if 0 <= j < len(allowed)}
-    own_line = sum(b > 1 for b in _measured(state, settings, bucket)) >= 2
     slope_probes = set() if own_line else {b for b in neighbours if b > 1}
     stale = [
         b
