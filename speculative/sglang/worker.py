@@ -96,9 +96,9 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         for block in blocks:
             if block != trained:
                 started = time.perf_counter()
-                self.block_runtimes[block] = self._capture_runtime(block, hooks_before)
+                self.block_runtimes[block] = self._capture_runtime(block, self.block_runtimes[trained], hooks_before)
                 log.info("captured DFlash graphs for block %d in %.1f s", block, time.perf_counter() - started)
-        self._apply_runtime(self.block_runtimes[trained])
+        self._apply_runtime(self.block_runtimes[trained])  # whatever a capture left set
 
     def _current_runtime(self) -> BlockRuntime:
         target, draft = self._target_worker.model_runner, self.draft_model_runner
@@ -111,12 +111,11 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         draft.attn_backend, draft.decode_cuda_graph_runner = runtime.draft_attn_backend, runtime.draft_graph_runner
         self._draft_sampler = runtime.draft_sampler
 
-    def _capture_runtime(self, block: int, draft_hooks: list) -> BlockRuntime:
+    def _capture_runtime(self, block: int, trained: BlockRuntime, draft_hooks: list) -> BlockRuntime:
         """Backends and graphs for ``block``: what upstream builds at start-up for
-        the trained block, built again while everything it reads says ``block``.
+        the ``trained`` block, built again while everything it reads says ``block``.
         ``draft_hooks``: the draft runner's capture hooks other than the trained
         block's sampler (which folds B-wide argmaxes into the graph)."""
-        trained = self._current_runtime()
         target, draft = self._target_worker.model_runner, self.draft_model_runner
         with self._capturing_at(block):
             target_backend = _fresh_attention_backend(target)
@@ -134,7 +133,6 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
                     )
                 finally:
                     draft.capture_tail_hooks = trained_hooks
-        self._apply_runtime(trained)
         return BlockRuntime(target_backend, target_graphs, draft_backend, draft_graphs, sampler)
 
     @contextlib.contextmanager
