@@ -403,9 +403,9 @@ def _stale_candidate(
     goodput (unmeasured draft positions as good as the last measured one) is
     within ``explore_margin`` of the chosen block's estimate, if the bucket has
     live traffic. Until the bucket has two measured drafting cells
-    (``own_line``) its step times come from a borrowed slope (a guess: a crowded bucket is steeper
-    than the idle one it borrows from), so an adjacent drafting block is tried
-    whatever that guess says."""
+    (``own_line``) its step times come from a borrowed slope (a guess: a
+    crowded bucket is steeper than the idle one it borrows from), so an
+    adjacent drafting block is tried whatever that guess says."""
     chosen = state.table[bucket]
     cells = state.estimates.step_time
     live = cells.get((bucket, chosen))

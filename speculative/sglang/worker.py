@@ -141,14 +141,19 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         ``block`` (as adaptive EAGLE overrides them for its captures); restored after."""
         published = get_spec().speculative_num_draft_tokens
         get_context().override("adaptive_spec.capture_override", speculative_num_draft_tokens=block)
-        self.block_states.activate(block)
-        self.draft_model.set_block_size(block)
+        self._use_block(block)
         try:
             yield
         finally:
             get_context().override("adaptive_spec.capture_restore", speculative_num_draft_tokens=published)
-            self.block_states.activate(self.trained_block_size)
-            self.draft_model.set_block_size(self.trained_block_size)
+            self._use_block(self.trained_block_size)
+
+    def _use_block(self, block: int) -> bool:
+        """The worker's block-shaped state and the draft model at ``block``; True when that changed them."""
+        if not self.block_states.activate(block):
+            return False
+        self.draft_model.set_block_size(block)
+        return True
 
     def set_block_policy(self, policy: BlockPolicy) -> None:
         """Use ``policy`` from the next decode step on (ValueError if it does not fit)."""
@@ -160,10 +165,8 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode:
             block = step_block_size(self.block_policy, len(batch.seq_lens), self.trained_block_size, self.block_turns)
-            if self.block_states.activate(block):
-                self.draft_model.set_block_size(block)
-                if self.block_runtimes:
-                    self._apply_runtime(self.block_runtimes.get(block, self.block_runtimes[self.trained_block_size]))
+            if self._use_block(block) and self.block_runtimes:
+                self._apply_runtime(self.block_runtimes.get(block, self.block_runtimes[self.trained_block_size]))
             started = _StepClock.start(self.device)
         result = super().forward_batch_generation(batch, *args, **kwargs)
         if decode and result.accept_lens is not None:
