@@ -4,8 +4,9 @@ import dataclasses
 import json
 import math
 
+import pytest
 import torch
-from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, tiny_target
+from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, tiny_draft, tiny_target
 
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
@@ -15,7 +16,7 @@ from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 from speculative.train.cli import lm_card, main
 from speculative.train.corpus import Corpus
-from speculative.train.draft_train import DraftTrainConfig, load_records, train_draft
+from speculative.train.draft_train import DraftTrainConfig, grow_from, load_records, train_draft
 from speculative.train.objective import (
     block_visibility,
     default_gamma,
@@ -222,3 +223,21 @@ def test_draft_training_can_start_from_a_saved_draft(tiny_pipeline, tmp_path):
     for name, tensor in first.items():
         torch.testing.assert_close(more[name], tensor, rtol=0, atol=1e-2)  # bf16 storage
     assert any(not torch.allclose(fresh[name], tensor, atol=1e-2) for name, tensor in first.items())
+
+
+def test_a_deeper_draft_grown_from_a_trained_one_predicts_the_same():
+    source = tiny_draft(layers=1, seed=3)
+    grown = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(layers=3))).float().eval()
+    grow_from(grown, source)
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 10, 2 * HIDDEN, generator=g)
+    context_positions = torch.arange(10).expand(2, 10)
+    block = torch.randn(2, 4, HIDDEN, generator=g)
+    block_positions = torch.arange(10, 14).expand(2, 4)
+    with torch.no_grad():
+        expected = source(block, block_positions, source.context_kv(features, context_positions), context_positions)
+        actual = grown(block, block_positions, grown.context_kv(features, context_positions), context_positions)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+    assert grown.layers[1].mlp.up_proj.weight.abs().sum() > 0  # the new layers can learn: only outputs are zero
+    with pytest.raises(ValueError, match="cannot start a 1-layer draft from a 3-layer one"):
+        grow_from(source, grown)

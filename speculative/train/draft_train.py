@@ -111,7 +111,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(draft_config_for(target, tokenizer.convert_tokens_to_ids(MASK), cfg)).train()
     if cfg.init_from:
-        draft.load_state_dict(load_draft(cfg.init_from).state_dict())
+        grow_from(draft, load_draft(cfg.init_from))
     records = load_records(cfg.data, cfg.max_length)
     steps = max(1, math.ceil(cfg.epochs * len(records) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
@@ -167,6 +167,27 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     summary = {"finished": True, "steps": steps, "config": {k: str(v) for k, v in asdict(cfg).items()}, **run.state}
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def grow_from(draft: DFlashDraftModel, source: DFlashDraftModel) -> None:
+    """Start ``draft`` from a trained ``source`` draft with the same target
+    layers and at most its depth: every source weight is copied, and the layers
+    ``draft`` has beyond the source's start as identities (their attention and
+    MLP output projections zeroed, so the residual stream passes through).
+    The grown draft predicts exactly what the source did; training then makes
+    use of the new depth."""
+    extra = len(draft.layers) - len(source.layers)
+    if extra < 0:
+        raise ValueError(f"cannot start a {len(draft.layers)}-layer draft from a {len(source.layers)}-layer one")
+    missing, unexpected = draft.load_state_dict(source.state_dict(), strict=False)
+    if unexpected or any(not key.startswith("layers.") for key in missing):
+        raise ValueError(f"the source draft does not fit: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for layer in draft.layers[len(source.layers) :]:
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
 
 
 def expected_tau(accuracy: torch.Tensor) -> float:
