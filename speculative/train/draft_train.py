@@ -176,8 +176,7 @@ def grow_from(draft: DFlashDraftModel, source: DFlashDraftModel) -> None:
     MLP output projections zeroed, so the residual stream passes through).
     The grown draft predicts exactly what the source did; training then makes
     use of the new depth."""
-    extra = len(draft.layers) - len(source.layers)
-    if extra < 0:
+    if len(draft.layers) < len(source.layers):
         raise ValueError(f"cannot start a {len(draft.layers)}-layer draft from a {len(source.layers)}-layer one")
     missing, unexpected = draft.load_state_dict(source.state_dict(), strict=False)
     if unexpected or any(not key.startswith("layers.") for key in missing):
