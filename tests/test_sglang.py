@@ -33,6 +33,7 @@ from speculative.sglang.logic import (
     check_policy,
     graph_block_sizes,
     resolve_algorithm,
+    smallest_block_size,
     step_block_size,
 )
 
@@ -55,6 +56,16 @@ def test_step_block_size_follows_the_table_within_bounds():
     assert [step_block_size(policy, bs, 16, Turns()) for bs in (1, 3, 4, 15, 16, 64)] == [16, 16, 6, 6, 2, 2]
     assert step_block_size(policy, 1, 8, Turns()) == 8  # never above the drafter's block
     assert step_block_size(BlockPolicy.fixed(4), 0, 16, Turns()) == 4  # an idle batch counts as 1
+    # With plain steps on, b = 1 is verified as itself.
+    assert [step_block_size(policy, bs, 16, Turns(), smallest=1) for bs in (1, 4, 16, 64)] == [16, 6, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "plain_steps, argmax_draft, expected",
+    [("1", True, 1), (None, True, 2), ("0", True, 2), ("1", False, 2)],  # selector / LiLiCorr / Domino drafts: 2
+)
+def test_plain_steps_only_when_asked_and_the_draft_drafts_by_argmax(plain_steps, argmax_draft, expected):
+    assert smallest_block_size(plain_steps, argmax_draft) == expected
 
 
 def test_a_range_with_an_alternate_takes_turns_within_its_own_steps():
@@ -126,6 +137,11 @@ def test_block_state_cache_refuses_incomplete_state():
 )
 def test_graph_block_sizes(value, trained, expected):
     assert graph_block_sizes(value, trained) == expected
+
+
+def test_graph_block_sizes_with_plain_steps():
+    assert graph_block_sizes(None, 16, smallest=1) == (1, 2, 3, 4, 6, 8, 10, 12, 16)
+    assert graph_block_sizes("1,4", 16, smallest=1) == (1, 4, 16)
 
 
 @pytest.mark.parametrize("value", ["1,4", "4,32", "four"])

@@ -202,7 +202,7 @@ def published_dflash_config(plugins_loaded, server_args_kwargs, monkeypatch):
 def test_f_graph_capture_names_exist_upstream():
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerOutput
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
@@ -217,8 +217,13 @@ def test_f_graph_capture_names_exist_upstream():
     capture_source = Path(inspect.getfile(DecodeCudaGraphRunner)).read_text()
     assert "self.model_runner.capture_tail_hooks" in capture_source  # read at capture: reassigning the list works
     worker_source = Path(inspect.getfile(DFlashWorkerV2)).read_text()
-    worker_attrs = ("_maybe_build_draft_sampler", "_draft_sampler", "draft_model_runner", "draft_parallel_layout")
+    worker_attrs = ("_maybe_build_draft_sampler", "_draft_sampler", "draft_model_runner", "draft_parallel_layout",
+                    "selector", "lilicorr", "_is_domino")  # fmt: skip
     assert all(re.search(rf"self\.{a}\b", worker_source) for a in worker_attrs)
+    # What a plain step stubs: the draft runner's forward, read by the argmax path over slots 1..
+    assert "draft_out = self.draft_model_runner.forward(forward_batch)" in worker_source
+    assert "draft_hidden = draft_hidden.view(bs, int(self.block_size), -1)" in worker_source
+    assert {"logits_output", "can_run_graph"} <= set(ModelRunnerOutput.__dataclass_fields__)
     assert "can_run_cuda_graph" in GenerationBatchResult.__dataclass_fields__
     assert callable(KVIndexTranslator.bind_and_verify_backends)
 
@@ -261,7 +266,11 @@ class _Sampler:
         self.calls += 1
 
 
-def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published_dflash_config, monkeypatch):
+def _stand_in_worker(monkeypatch, smallest_block: int, graph_blocks: str):
+    """An ``AdaptiveDFlashWorker`` on stand-in model runners, graph runners and
+    draft model (capture needs a GPU), with upstream's start-up capture replaced
+    by the same on the stand-ins. Returns (worker, target runner, draft runner,
+    what each capture saw)."""
     import contextlib
 
     import torch
@@ -301,17 +310,33 @@ def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published
 
     monkeypatch.setattr(DFlashWorkerV2, "init_cuda_graphs", upstream_capture)
     monkeypatch.setattr(worker_module, "draft_pp_context", contextlib.nullcontext)  # needs torch.distributed groups
-    monkeypatch.setenv("DFLASH_SERVE_GRAPH_BLOCKS", "4,8")
+    monkeypatch.setenv("DFLASH_SERVE_GRAPH_BLOCKS", graph_blocks)
     worker.__dict__.update(
         _target_worker=SimpleNamespace(model_runner=target), draft_model_runner=draft, draft_model=DraftModel(),
         draft_parallel_layout=SimpleNamespace(tp_group=None), device="cpu", trained_block_size=16, block_size=16,
         block_policy=BlockPolicy.fixed(16), block_turns=Turns(), step_counters=StepCounters(), _pending=[],
-        block_runtimes={}, _draft_sampler=None, _logged_modes=set(),
+        block_runtimes={}, _draft_sampler=None, _logged_modes=set(), smallest_block=smallest_block,
     )  # fmt: skip
     worker._maybe_build_draft_sampler = lambda: _Sampler(worker.block_size)  # reads the block, as upstream's
     worker.__dict__.update(worker._fresh_block_state(16))
     worker.block_states = BlockStateCache(worker, worker._fresh_block_state)
+    return worker, target, draft, seen
 
+
+class _DecodeBatch:
+    forward_mode = SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False)
+    is_extend_in_batch = False
+    seq_lens = (7, 9)
+
+
+def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published_dflash_config, monkeypatch):
+    import torch
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from speculative.policy import BlockPolicy
+
+    worker, target, draft, seen = _stand_in_worker(monkeypatch, smallest_block=2, graph_blocks="4,8")
     worker.init_cuda_graphs()
 
     assert sorted(worker.block_runtimes) == [4, 8, 16]
@@ -331,11 +356,6 @@ def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published
     assert target.kv_index_translator.bound == ["target backend 1", "target backend 2"]
     assert draft.kv_index_translator.bound == ["draft backend 1", "draft backend 2"]
 
-    class Batch:
-        forward_mode = SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False)
-        is_extend_in_batch = False
-        seq_lens = (7, 9)
-
     def upstream_step(self, batch, *args, **kwargs):  # what a decode step found active
         ran.append((target.decode_cuda_graph_runner.width, draft.decode_cuda_graph_runner.width,
                     draft.attn_backend, self._draft_sampler.block))  # fmt: skip
@@ -347,8 +367,55 @@ def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published
     ran = []
     for block in (8, 6, 4, 16):  # 6 has no set of its own: B's set, eager
         worker.set_block_policy(BlockPolicy.fixed(block))
-        worker.forward_batch_generation(Batch())
+        worker.forward_batch_generation(_DecodeBatch())
     assert ran == [(8, 8, "draft backend 2", 8), (16, 16, "draft backend 16", 16),
                    (4, 4, "draft backend 1", 4), (16, 16, "draft backend 16", 16)]  # fmt: skip
     graph_steps = {b: cell.graph_steps for (_, b), cell in worker.step_counters.cells.items()}
     assert graph_steps == {8: 1, 6: 0, 4: 1, 16: 1}
+
+
+def test_f_plain_steps_verify_the_anchor_alone_without_a_draft_forward(published_dflash_config, monkeypatch):
+    import torch
+    from sglang.srt.model_executor.model_runner import ModelRunnerOutput
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from speculative.policy import BlockPolicy
+
+    worker, target, draft, seen = _stand_in_worker(monkeypatch, smallest_block=1, graph_blocks="1,4")
+    worker.init_cuda_graphs()
+    assert sorted(worker.block_runtimes) == [1, 4, 16]
+    # b = 1: a target graph set at width 1 only; the draft keeps the trained block's backend and graphs.
+    assert [entry[:2] for entry in seen[2:]] == [("target", 1), ("target", 4), ("draft", 4)]
+    plain, trained = worker.block_runtimes[1], worker.block_runtimes[16]
+    assert plain.draft_graph_runner is trained.draft_graph_runner and plain.draft_sampler is None
+    assert plain.draft_attn_backend is trained.draft_attn_backend
+
+    def draft_forward(self, forward_batch):  # the draft model runner's own forward (a drafting step)
+        return ModelRunnerOutput(logits_output=None, can_run_graph=True)
+
+    monkeypatch.setattr(_Runner, "forward", draft_forward, raising=False)
+
+    def upstream_step(self, batch, *args, **kwargs):  # upstream runs the draft, then verifies the block
+        out = self.draft_model_runner.forward(SimpleNamespace(batch_size=2, input_ids=torch.zeros(2 * self.block_size)))
+        hidden = out.logits_output.hidden_states if out.logits_output is not None else None
+        # Upstream's argmax path: view [bs, b, -1], slots 1.. -> none at b = 1.
+        rows = hidden.view(2, self.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1]) if hidden is not None else None
+        ran.append((self.block_size, target.decode_cuda_graph_runner.width, out.can_run_graph,
+                    None if rows is None else tuple(rows.shape), self._draft_sampler))  # fmt: skip
+        commit_lens = [1, 1] if self.block_size == 1 else [2, 1]  # accepted drafts + 1
+        return SimpleNamespace(accept_lens=torch.tensor(commit_lens), speculative_num_draft_tokens=self.block_size,
+                               can_run_cuda_graph=True)  # fmt: skip
+
+    monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", upstream_step)
+    ran = []
+    for block in (1, 4, 1):
+        worker.set_block_policy(BlockPolicy.fixed(block))
+        worker.forward_batch_generation(_DecodeBatch())
+    assert [r[:4] for r in ran] == [(1, 1, False, (0, 1)), (4, 4, True, None), (1, 1, False, (0, 1))]
+    assert ran[0][4] is None and ran[1][4].block == 4  # no draft sampler staged for a plain step
+    assert "forward" not in vars(draft)  # the draft runner's own forward is back after each plain step
+    cells = {b: (c.steps, c.accepted_per_position) for (_, b), c in worker.step_counters.cells.items()}
+    assert cells == {1: (2, []), 4: (1, [1, 0, 0])}
+    # On the real upstream: an argmax over no rows returns no tokens without touching the LM head.
+    none = DFlashWorkerV2._greedy_sample_from_vocab_parallel_head(None, hidden_states=torch.empty(0, 1), lm_head=None)
+    assert none.shape == (0,)

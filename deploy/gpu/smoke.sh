@@ -7,7 +7,10 @@
 # 1. plain SGLang (no speculation) and dflash-serve --engine sglang (DFLASH_ADAPTIVE)
 #    answer the same greedy requests: the outputs must be identical at the draft's
 #    block and at blocks 2, 4 and 8 set through /admin/policy (each with its own
-#    CUDA graphs: the log says "DFlash block b: verify replays a CUDA graph");
+#    CUDA graphs: the log says "DFlash block b: verify replays a CUDA graph"),
+#    at b = 1 (plain steps, DFLASH_SERVE_PLAIN_STEPS=1: no draft forward) and with
+#    b = 1 taking turns with the draft's block (drafting after plain steps needs
+#    the context those steps appended);
 # 2. dflash-load at concurrency 1, 8, 32 against plain SGLang, dflash-serve with a
 #    fixed block (--block-size = the draft's block, no controller) and adaptive
 #    (controller on): tokens/s, TTFT, ITL and tau per level.
@@ -64,18 +67,19 @@ stop_all
 for mode in fixed adaptive; do
   echo "== dflash-serve --engine sglang ($mode)"
   if [ "$mode" = fixed ]; then flags=(--controller false); else flags=(--controller true --controller-interval-s 5); fi
-  dflash-serve --engine sglang --device cuda --target "$TARGET" --draft "$DRAFT" --port "$DFLASH_PORT" \
+  DFLASH_SERVE_PLAIN_STEPS=$([ "$mode" = fixed ] && echo 1 || echo 0) dflash-serve --engine sglang --device cuda --target "$TARGET" --draft "$DRAFT" --port "$DFLASH_PORT" \
     --max-batch-size 32 --admin-key smoke "${flags[@]}" > "$OUT/dflash-$mode.log" 2>&1 &
   PIDS+=($!)
   wait_ready "http://127.0.0.1:$DFLASH_PORT/ready"
   if [ "$mode" = fixed ]; then
     greedy_outputs "http://127.0.0.1:$DFLASH_PORT" "$OUT/dflash.json"
-    for b in 2 4 8; do
-      curl -sf -X POST "http://127.0.0.1:$DFLASH_PORT/admin/policy" -H "Authorization: Bearer smoke" \
-        -H "Content-Type: application/json" -d "{\"min_batch\": [1], \"block_sizes\": [$b]}" >/dev/null
-      greedy_outputs "http://127.0.0.1:$DFLASH_PORT" "$OUT/dflash-b$b.json"
-    done
     trained=$(python -c "import sys; from speculative.config import DFlashConfig; print(DFlashConfig.from_file(sys.argv[1]).block_size)" "$DRAFT")
+    for policy in b2:'"block_sizes": [2]' b4:'"block_sizes": [4]' b8:'"block_sizes": [8]' b1:'"block_sizes": [1]' \
+                  b1-turns:"\"block_sizes\": [1], \"alternates\": [$trained]"; do
+      curl -sf -X POST "http://127.0.0.1:$DFLASH_PORT/admin/policy" -H "Authorization: Bearer smoke" \
+        -H "Content-Type: application/json" -d "{\"min_batch\": [1], ${policy#*:}}" >/dev/null
+      greedy_outputs "http://127.0.0.1:$DFLASH_PORT" "$OUT/dflash-${policy%%:*}.json"
+    done
     curl -sf -X POST "http://127.0.0.1:$DFLASH_PORT/admin/policy" -H "Authorization: Bearer smoke" \
       -H "Content-Type: application/json" -d "{\"min_batch\": [1], \"block_sizes\": [$trained]}" >/dev/null
   fi
@@ -91,7 +95,7 @@ import json, sys
 out = sys.argv[1]
 plain = json.load(open(f"{out}/plain.json"))
 ok = True
-for name in ("dflash", "dflash-b2", "dflash-b4", "dflash-b8"):
+for name in ("dflash", "dflash-b2", "dflash-b4", "dflash-b8", "dflash-b1", "dflash-b1-turns"):
     spec = json.load(open(f"{out}/{name}.json"))
     same = sum(a == b for a, b in zip(plain, spec))
     print(f"{name}: greedy outputs identical to plain SGLang: {same}/{len(plain)}")

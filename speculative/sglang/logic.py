@@ -24,10 +24,24 @@ GRAPH_BLOCKS_ENV = "DFLASH_SERVE_GRAPH_BLOCKS"
 block always has them); unset or empty: every controller candidate up to the
 trained block. Each set costs GPU memory and capture time at start-up."""
 
-MIN_BLOCK_SIZE = 2
-"""The smallest block the plugin verifies. b = 1 (plain decoding) is mapped to 2:
-the upstream worker always runs its draft forward, so a one-token verify would
-pay for a draft that proposes nothing."""
+PLAIN_STEPS_ENV = "DFLASH_SERVE_PLAIN_STEPS"
+"""Set to "1": a decode step whose policy block is 1 runs as plain decoding (the
+target verifies the anchor alone and the draft forward is skipped; the
+committed token's features still reach the draft's context). Otherwise b = 1
+runs as b = 2, the smallest block upstream's worker drafts for. Off by default
+until a GPU run of ``deploy/gpu/smoke.sh`` has checked it."""
+
+DRAFTING_MIN_BLOCK_SIZE = 2
+"""The smallest block that drafts anything (one proposed token)."""
+
+
+def smallest_block_size(plain_steps: str | None, argmax_draft: bool) -> int:
+    """The smallest block the worker verifies: 1 when plain steps are on
+    (``PLAIN_STEPS_ENV`` = "1") and the draft proposes by argmax over its
+    hidden states (the path a skipped draft forward stubs; selector, LiLiCorr
+    and Domino drafts read more of it), else ``DRAFTING_MIN_BLOCK_SIZE``."""
+    return 1 if plain_steps == "1" and argmax_draft else DRAFTING_MIN_BLOCK_SIZE
+
 
 # Worker attributes whose shape or content depends on the block size. The
 # upstream worker sizes them once from ``block_size``; the adaptive worker keeps
@@ -69,28 +83,37 @@ def check_policy(policy: BlockPolicy, trained_block_size: int) -> None:
         raise ValueError(f"policy block sizes {policy.to_dict()} exceed the draft's block {trained_block_size}")
 
 
-def step_block_size(policy: BlockPolicy, batch_size: int, trained_block_size: int, turns: Turns) -> int:
+def step_block_size(
+    policy: BlockPolicy,
+    batch_size: int,
+    trained_block_size: int,
+    turns: Turns,
+    smallest: int = DRAFTING_MIN_BLOCK_SIZE,
+) -> int:
     """The block to verify this step: the policy's entry for the batch size
-    (taking ``turns`` with its alternate, if any), within [MIN_BLOCK_SIZE,
+    (taking ``turns`` with its alternate, if any), within [``smallest``,
     trained_block_size]."""
-    return max(MIN_BLOCK_SIZE, min(turns.block_size(policy, max(1, batch_size)), trained_block_size))
+    return max(smallest, min(turns.block_size(policy, max(1, batch_size)), trained_block_size))
 
 
-def graph_block_sizes(value: str | None, trained_block_size: int) -> tuple[int, ...]:
+def graph_block_sizes(
+    value: str | None, trained_block_size: int, smallest: int = DRAFTING_MIN_BLOCK_SIZE
+) -> tuple[int, ...]:
     """The block sizes to capture CUDA graphs for (``GRAPH_BLOCKS_ENV``'s value),
-    the trained block included. ValueError on a size the worker never runs."""
+    the trained block included; ``smallest``: the smallest block the worker runs.
+    ValueError on a size the worker never runs."""
     if not value or not value.strip():
-        blocks = {max(MIN_BLOCK_SIZE, b) for b in CANDIDATE_BLOCK_SIZES if b <= trained_block_size}
+        blocks = {max(smallest, b) for b in CANDIDATE_BLOCK_SIZES if b <= trained_block_size}
     else:
         try:
             blocks = {int(part) for part in value.split(",")}
         except ValueError:
             raise ValueError(f"{GRAPH_BLOCKS_ENV} must be comma-separated integers, got {value!r}") from None
-        wrong = sorted(b for b in blocks if not MIN_BLOCK_SIZE <= b <= trained_block_size)
+        wrong = sorted(b for b in blocks if not smallest <= b <= trained_block_size)
         if wrong:
             raise ValueError(
-                f"{GRAPH_BLOCKS_ENV}: block sizes {wrong} outside [{MIN_BLOCK_SIZE}, {trained_block_size}] "
-                "(the smallest block the plugin verifies, the draft's block)"
+                f"{GRAPH_BLOCKS_ENV}: block sizes {wrong} outside [{smallest}, {trained_block_size}] "
+                "(the smallest block the worker runs, the draft's block)"
             )
     return tuple(sorted(blocks | {trained_block_size}))
 

@@ -26,6 +26,13 @@ What stays correct when b changes between steps:
   (``BlockRuntime``); a block without one (a policy pushed with other sizes)
   runs on B's set, eagerly, since the graphs reject its width. Every step
   counts whether the target replayed a graph (``graph_steps``).
+- Plain steps (b = 1, with ``PLAIN_STEPS_ENV`` = "1"): the draft runner's
+  forward is stubbed for the step (``_draft_forward_skipped``), so upstream
+  proposes nothing and verifies the anchor alone; the committed token's
+  target features are appended to the draft's context after verify as in any
+  step (upstream writes them right after accept, nothing carries over), so a
+  later drafting step sees the whole context. The target gets a graph set at
+  width 1; the draft keeps the trained block's (it does not run).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.model_executor.model_runner import ModelRunnerOutput
 from sglang.srt.runtime_context import get_context, get_disagg, get_exec, get_spec
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang.srt.speculative.draft_worker_common import (
@@ -50,11 +59,13 @@ from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
 from speculative.policy import BlockPolicy, Turns
 from speculative.sglang.logic import (
     GRAPH_BLOCKS_ENV,
+    PLAIN_STEPS_ENV,
     BlockRuntime,
     BlockStateCache,
     StepCounters,
     check_policy,
     graph_block_sizes,
+    smallest_block_size,
     step_block_size,
 )
 
@@ -67,6 +78,8 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.trained_block_size = int(self.block_size)
+        argmax_draft = self.selector is None and self.lilicorr is None and not self._is_domino
+        self.smallest_block = smallest_block_size(os.environ.get(PLAIN_STEPS_ENV), argmax_draft)
         self.block_policy = BlockPolicy.fixed(self.trained_block_size)
         self.block_turns = Turns()
         self.block_states = BlockStateCache(self, self._fresh_block_state)
@@ -84,7 +97,7 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         super().init_cuda_graphs()
         trained = self.trained_block_size
         self.block_runtimes = {trained: self._current_runtime()}
-        blocks = graph_block_sizes(os.environ.get(GRAPH_BLOCKS_ENV), trained)
+        blocks = graph_block_sizes(os.environ.get(GRAPH_BLOCKS_ENV), trained, self.smallest_block)
         if not (_owns_graphs(self._target_worker.model_runner) and _owns_graphs(draft_runner)):
             log.info("no CUDA graphs at the trained block %d: every block size runs eagerly", trained)
             return
@@ -115,13 +128,17 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         """Backends and graphs for ``block``: what upstream builds at start-up for
         the ``trained`` block, built again while everything it reads says ``block``.
         ``draft_hooks``: the draft runner's capture hooks other than the trained
-        block's sampler (which folds B-wide argmaxes into the graph)."""
+        block's sampler (which folds B-wide argmaxes into the graph). A plain
+        step (b = 1) runs no draft: the draft keeps the trained block's set."""
         target, draft = self._target_worker.model_runner, self.draft_model_runner
         with self._capturing_at(block):
             target_backend = _fresh_attention_backend(target)
             target_graphs = type(trained.target_graph_runner)(
                 target, attn_backend=target_backend, speculative_num_draft_tokens=block
             )
+            if block == 1:
+                return BlockRuntime(target_backend, target_graphs, trained.draft_attn_backend,
+                                    trained.draft_graph_runner, None)  # fmt: skip
             with draft_pp_context(), draft_tp_context(self.draft_parallel_layout):
                 draft_backend = _fresh_attention_backend(draft)
                 sampler = self._maybe_build_draft_sampler()  # reads self.block_size
@@ -164,11 +181,15 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, *args, **kwargs):
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode:
-            block = step_block_size(self.block_policy, len(batch.seq_lens), self.trained_block_size, self.block_turns)
+            batch_size = len(batch.seq_lens)
+            block = step_block_size(
+                self.block_policy, batch_size, self.trained_block_size, self.block_turns, self.smallest_block
+            )
             if self._use_block(block) and self.block_runtimes:
                 self._apply_runtime(self.block_runtimes.get(block, self.block_runtimes[self.trained_block_size]))
             started = _StepClock.start(self.device)
-        result = super().forward_batch_generation(batch, *args, **kwargs)
+        with self._draft_forward_skipped() if decode and block == 1 else contextlib.nullcontext():
+            result = super().forward_batch_generation(batch, *args, **kwargs)
         if decode and result.accept_lens is not None:
             block, graph = int(result.speculative_num_draft_tokens), bool(result.can_run_cuda_graph)
             if (block, graph) not in self._logged_modes:  # once each: the log shows which blocks replay graphs
@@ -176,6 +197,24 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
                 log.info("DFlash block %d: verify %s", block, "replays a CUDA graph" if graph else "runs eagerly")
             self._record_step(result.accept_lens, block, started, graph)
         return result
+
+    @contextlib.contextmanager
+    def _draft_forward_skipped(self) -> Iterator[None]:
+        """For a plain step: the draft runner's forward returns at once a
+        one-column placeholder for its hidden states, so upstream's argmax over
+        block slots 1.. has no rows and proposes nothing, and the step runs no
+        draft model. Verify, accept and the append of the committed token's
+        features to the draft context are upstream's, unchanged."""
+        runner = self.draft_model_runner
+        earlier = vars(runner).get("forward")
+        runner.forward = _skipped_draft_forward
+        try:
+            yield
+        finally:
+            if earlier is None:
+                del runner.forward
+            else:
+                runner.forward = earlier
 
     def _fresh_block_state(self, block: int) -> dict[str, object]:
         """Attribute values for a block size not used yet: the block-shaped
@@ -251,6 +290,13 @@ class _PendingStep(NamedTuple):
     block: int
     clock: _StepClock
     graph: bool
+
+
+def _skipped_draft_forward(forward_batch, *args, **kwargs) -> ModelRunnerOutput:
+    """What a plain step's draft forward returns: hidden states [bs, 1] (upstream
+    views them as [bs, 1, 1] and drafts from slots 1.., of which there are none)."""
+    placeholder = torch.empty((forward_batch.batch_size, 1), device=forward_batch.input_ids.device)
+    return ModelRunnerOutput(LogitsProcessorOutput(next_token_logits=None, hidden_states=placeholder), False)
 
 
 def _owns_graphs(model_runner) -> bool:
