@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import textwrap
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 from speculative.train.cli import lm_card, main
-from speculative.train.corpus import Corpus
+from speculative.train.corpus import Corpus, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, grow_from, load_records, train_draft
 from speculative.train.objective import (
     block_visibility,
@@ -147,11 +148,11 @@ def test_sampled_regeneration_does_not_depend_on_batching():
 def test_draft_training_learns_resumes_and_writes_official_format(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     common = dict(
-        target_dir=root / "target", data=root / "data.jsonl", block_size=8, anchors_per_sequence=8, batch_size=4,
+        target_dir=root / "target", data=(root / "data.jsonl",), block_size=8, anchors_per_sequence=8, batch_size=4,
         epochs=8.0, lr=3e-3, checkpoint_every=4,
     )  # fmt: skip
     full = train_draft(DraftTrainConfig(out_dir=tmp_path / "a", run_dir=tmp_path / "ra", **common))
-    usable = len(load_records(root / "data.jsonl", 768))
+    usable = len(load_records([root / "data.jsonl"], 768))
     assert full["finished"] and full["steps"] == math.ceil(8.0 * usable / 4) >= 12
     assert full["curve"][-1]["loss"] < full["curve"][0]["loss"]
     assert len(full["curve"][0]["accuracy_per_position"]) == 7
@@ -189,13 +190,45 @@ def test_cli_trains_and_writes_a_model_card(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     main(
         [
-            "draft", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), "--out",
-            str(tmp_path / "draft"), "--run-dir", str(tmp_path / "run"), "--block-size", "4", "--epochs", "1",
+            "draft", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), str(root / "data.jsonl"),
+            "--out", str(tmp_path / "draft"), "--run-dir", str(tmp_path / "run"), "--block-size", "4", "--epochs", "1",
         ]
     )  # fmt: skip
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "DFlash draft" in card and "final loss" in card and "dflash-train draft --target" in card
     assert load_draft(tmp_path / "draft").block_size == 4
+    # Two data files (here the same one twice): one epoch covers the records of both.
+    summary = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert summary["steps"] == math.ceil(2 * len(load_records([root / "data.jsonl"], 768)) / 8)
+    assert summary["config"]["data"] == f"{root / 'data.jsonl'} {root / 'data.jsonl'}"
+
+
+def test_request_prompts_ask_for_each_docstring_summary_in_english():
+    source = textwrap.dedent('''
+        """Tools for parsing
+        config files.
+
+        Details nobody asks for."""
+
+        class Reader:
+            """Read settings from a file, one per line."""
+
+            def close(self):
+                """Close."""
+
+        def parse(text):
+            """Return the settings in text as a dict, keys lower-cased."""
+            return {}
+
+        def undocumented():
+            pass
+    ''')
+    assert request_prompts(source) == [
+        "Write Python code for this: Tools for parsing config files.",
+        "Write Python code for this: Read settings from a file, one per line.",
+        "Write Python code for this: Return the settings in text as a dict, keys lower-cased.",
+    ]  # "Close." is too short to be a request; the module summary's two lines become one
+    assert request_prompts("def broken(:") == []
 
 
 def test_target_training_can_start_from_a_saved_model(tiny_pipeline, tmp_path):
@@ -214,7 +247,7 @@ def test_target_training_can_start_from_a_saved_model(tiny_pipeline, tmp_path):
 
 def test_draft_training_can_start_from_a_saved_draft(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
-    common = dict(target_dir=root / "target", data=root / "data.jsonl", block_size=8, batch_size=2, epochs=0.01)
+    common = dict(target_dir=root / "target", data=(root / "data.jsonl",), block_size=8, batch_size=2, epochs=0.01)
     train_draft(DraftTrainConfig(out_dir=tmp_path / "first", run_dir=tmp_path / "r1", lr=3e-3, seed=1, **common))
     train_draft(DraftTrainConfig(out_dir=tmp_path / "more", run_dir=tmp_path / "r2", lr=1e-12,
                                  init_from=str(tmp_path / "first"), **common))  # fmt: skip

@@ -14,7 +14,7 @@ import random
 import sys
 from pathlib import Path
 
-from speculative.train.corpus import Corpus, function_pairs
+from speculative.train.corpus import Corpus, function_pairs, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, train_draft
 from speculative.train.model_card import write_card
 from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
@@ -58,9 +58,17 @@ def _fields(args: dict, cls: type) -> dict:
     return {k: v for k, v in args.items() if k in names}
 
 
-def corpus_prompts(limit: int, seed: int) -> list[str]:
-    """Function-completion prompts from the corpus, shuffled with ``seed``."""
-    prompts = [pair.prompt for text in Corpus.stdlib().texts() for pair in function_pairs(text)]
+PROMPT_FAMILIES = {
+    "functions": ("stdlib function prompts", lambda text: [pair.prompt for pair in function_pairs(text)]),
+    "requests": ("stdlib docstring requests", request_prompts),
+}
+"""``dflash-train data --prompts``: name -> (provenance label, prompts of one source file)."""
+
+
+def corpus_prompts(family: str, limit: int, seed: int) -> list[str]:
+    """One family's distinct prompts from the corpus, in a fixed order shuffled with ``seed``."""
+    _, extract = PROMPT_FAMILIES[family]
+    prompts = list(dict.fromkeys(prompt for text in Corpus.stdlib().texts() for prompt in extract(text)))
     random.Random(seed).shuffle(prompts)
     return prompts[:limit] if limit else prompts
 
@@ -81,11 +89,17 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--target", type=Path, required=True, help="target model directory")
     data.add_argument("--out", type=Path, required=True, help="output path without suffix (.jsonl, .meta.json)")
     data.add_argument("--limit", type=int, default=0, help="number of prompts (0: all)")
+    data.add_argument(
+        "--prompts",
+        choices=sorted(PROMPT_FAMILIES),
+        default="functions",
+        help="functions: a signature and docstring to complete; requests: a docstring's summary as an English request",
+    )
     _add_dataclass_flags(data, RegenerateConfig)
 
     draft = commands.add_parser("draft", help="train a DFlash draft on regenerated data")
     draft.add_argument("--target", type=Path, required=True, help="target model directory")
-    draft.add_argument("--data", type=Path, required=True, help="regenerated .jsonl")
+    draft.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
     draft.add_argument("--out", type=Path, required=True, help="draft directory (official format)")
     draft.add_argument("--run-dir", type=Path, default=Path("runs/draft"), help="checkpoints")
     _add_dataclass_flags(draft, DraftTrainConfig)
@@ -100,10 +114,11 @@ def main(argv: list[str] | None = None) -> None:
             write_card(cfg.out_dir, cfg.out_dir.name, lm_card(cfg), "dflash-train " + " ".join(argv))
     elif command == "data":
         cfg = RegenerateConfig(**_fields(args, RegenerateConfig))
-        prompts = corpus_prompts(args["limit"], cfg.seed)
-        summary = regenerate_chat_prompts(args["target"], prompts, args["out"], cfg, source="stdlib function prompts")
+        prompts = corpus_prompts(args["prompts"], args["limit"], cfg.seed)
+        source = PROMPT_FAMILIES[args["prompts"]][0]
+        summary = regenerate_chat_prompts(args["target"], prompts, args["out"], cfg, source=source)
     else:
-        paths = dict(target_dir=args["target"], data=args["data"], out_dir=args["out"], run_dir=args["run_dir"])
+        paths = dict(target_dir=args["target"], data=tuple(args["data"]), out_dir=args["out"], run_dir=args["run_dir"])
         cfg = DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig))
         summary = train_draft(cfg)
         if summary["finished"]:

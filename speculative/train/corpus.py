@@ -81,3 +81,23 @@ def function_pairs(source: str, *, min_body_lines: int = 3, max_chars: int = 300
         header = "\n".join(function.splitlines()[: node.body[0].end_lineno - node.lineno + 1])
         pairs.append(ChatPair(prompt="Complete this Python function:\n" + header, response=function))
     return pairs
+
+
+def request_prompts(source: str, *, min_chars: int = 20, max_chars: int = 600) -> list[str]:
+    """Plain-English requests made from the docstrings of one source file: the
+    first paragraph of the module's and of each documented class's and
+    function's docstring, asked for as code with no signature given. They are
+    prompts only (the target writes the responses), closer in form to natural
+    language questions than the function-completion prompts."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    prompts = []
+    for node in nodes:
+        docstring = ast.get_docstring(node)
+        summary = " ".join(docstring.split("\n\n")[0].split()) if docstring else ""
+        if min_chars <= len(summary) <= max_chars:
+            prompts.append("Write Python code for this: " + summary)
+    return prompts

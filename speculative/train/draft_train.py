@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ class DraftTrainConfig:
     the block size; ``epochs`` may be fractional."""
 
     target_dir: Path
-    data: Path
+    data: tuple[Path, ...]
     out_dir: Path
     run_dir: Path
     num_layers: int = 1
@@ -75,18 +76,19 @@ def draft_config_for(target: TargetModel, mask_token_id: int, cfg: DraftTrainCon
     return DFlashConfig.from_dict(raw)
 
 
-def load_records(path: Path, max_length: int) -> list[tuple[list[int], int]]:
-    """(tokens, response start) per record, truncated to ``max_length``; records
-    with fewer than two response tokens are dropped."""
+def load_records(paths: Sequence[Path], max_length: int) -> list[tuple[list[int], int]]:
+    """(tokens, response start) per record of every file, truncated to
+    ``max_length``; records with fewer than two response tokens are dropped."""
     records = []
-    with path.open() as f:
-        for line in f:
-            record = json.loads(line)
-            tokens = (record["prompt_ids"] + record["response_ids"])[:max_length]
-            if len(tokens) - len(record["prompt_ids"]) >= 2:
-                records.append((tokens, len(record["prompt_ids"])))
+    for path in paths:
+        with Path(path).open() as f:
+            for line in f:
+                record = json.loads(line)
+                tokens = (record["prompt_ids"] + record["response_ids"])[:max_length]
+                if len(tokens) - len(record["prompt_ids"]) >= 2:
+                    records.append((tokens, len(record["prompt_ids"])))
     if not records:
-        raise ValueError(f"no usable records in {path}")
+        raise ValueError(f"no usable records in {', '.join(map(str, paths))}")
     return records
 
 
@@ -164,7 +166,8 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     run.close()
     draft.eval()
     save_draft(draft, cfg.out_dir)
-    summary = {"finished": True, "steps": steps, "config": {k: str(v) for k, v in asdict(cfg).items()}, **run.state}
+    config = {k: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in asdict(cfg).items()}
+    summary = {"finished": True, "steps": steps, "config": config, **run.state}
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
