@@ -75,21 +75,20 @@ class LossOutput:
     counted: torch.Tensor
 
 
-def dflash_loss(
+def block_logits(
     draft: DFlashDraftModel,
     target: TargetModel,
     tokens: torch.Tensor,
     features: torch.Tensor,
     lengths: torch.Tensor,
     anchors: torch.Tensor,
-    anchor_valid: torch.Tensor,
-    gamma: float,
-) -> LossOutput:
-    """DFlash loss of a batch.
+) -> torch.Tensor:
+    """Logits [B, m, b-1, V] of block slots 1..b-1 of the block each anchor
+    opens, every block of a row in ONE draft forward under the block-sparse mask.
 
     ``tokens`` [B, S] (right-padded), ``features`` [B, S, n*H] the target's
     features of those tokens, ``lengths`` [B] real tokens per row, ``anchors``
-    [B, m] anchor positions, ``anchor_valid`` [B, m] False for padding anchors.
+    [B, m] anchor positions.
     """
     b = draft.block_size
     batch, seq_len = tokens.shape
@@ -104,14 +103,62 @@ def dflash_loss(
     embeddings = target.embed(block) * draft.config.input_embedding_scale
     visible = block_visibility(anchors, seq_len, b)
     hidden = draft(embeddings, block_positions, context, context_positions, visible=visible)
+    hidden = hidden.view(batch, -1, b, hidden.shape[-1])[:, :, 1:]  # slot 0 is the anchor: no prediction
+    return target.lm_head(hidden).float()
 
-    hidden = hidden.view(batch, -1, b, hidden.shape[-1])[:, :, 1:]  # slot 0 is the anchor: no loss
-    logits = target.lm_head(hidden).float()
-    label_positions = anchors[:, :, None] + torch.arange(1, b, device=device)
+
+def dflash_loss(
+    draft: DFlashDraftModel,
+    target: TargetModel,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    lengths: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    gamma: float,
+) -> LossOutput:
+    """DFlash loss of a batch (arguments as ``block_logits``; ``anchor_valid``
+    [B, m] False for padding anchors)."""
+    b = draft.block_size
+    seq_len = tokens.shape[1]
+    logits = block_logits(draft, target, tokens, features, lengths, anchors)
+    label_positions = anchors[:, :, None] + torch.arange(1, b, device=tokens.device)
     labels = tokens.gather(1, label_positions.clamp(max=seq_len - 1).flatten(1)).view_as(label_positions)
     counted = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    weights = position_weights(b, gamma).to(device) * counted
+    weights = position_weights(b, gamma).to(tokens.device) * counted
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-8)
     correct = ((logits.argmax(-1) == labels) & counted).sum(dim=(0, 1))
     return LossOutput(loss=loss, correct=correct, counted=counted.sum(dim=(0, 1)))
+
+
+@torch.no_grad()
+def simulated_greedy_rounds(draft: DFlashDraftModel, target: TargetModel, sequence: list[int], start: int) -> list[int]:
+    """Drafts greedy serving at the draft's block would accept per round while decoding
+    ``sequence[start:]`` (the target's own greedy continuation of
+    ``sequence[:start]``), from one packed forward instead of a decode loop.
+
+    The draft's guesses at every response position come from ``block_logits``
+    (context strictly before the anchor, as in serving); the rounds are then
+    chained as serving chains them: the first anchor is the first response
+    token, a round at anchor ``a`` accepts the longest prefix of its guesses
+    that matches ``sequence[a+1:]``, and the next anchor is the token after
+    the accepted ones (the bonus). Serving that loses context or shifts a
+    position accepts less than this; the engine tests compare the two.
+    Rounds near the end count only the tokens ``sequence`` still has.
+    """
+    b, n = draft.block_size, len(sequence)
+    tokens = torch.tensor([sequence])
+    positions = torch.arange(n)[None]
+    anchors = torch.arange(start, n - 1)[None]
+    features = target.forward(
+        tokens, positions, target.new_cache(), positions[:, :0], feature_layers=draft.config.target_layer_ids
+    ).features
+    guesses = block_logits(draft, target, tokens, features, torch.tensor([n]), anchors)[0].argmax(-1)
+    truth = torch.tensor(sequence + [-1] * b)[anchors[0, :, None] + torch.arange(1, b)]
+    accepted = torch.cumprod((guesses == truth).int(), dim=1).sum(dim=1).tolist()  # leading matches per anchor
+    rounds, anchor = [], start
+    while anchor < n - 1:
+        rounds.append(accepted[anchor - start])
+        anchor += accepted[anchor - start] + 1
+    return rounds
