@@ -3,11 +3,14 @@
 import json
 
 import pytest
+import torch
 
 from speculative.bench.cli import main
 from speculative.bench.datasets import humaneval, mtbench
+from speculative.bench.diagnose import target_confidence
 from speculative.bench.run import distinct_ngram_ratio
 from speculative.checkpoint import save_draft
+from speculative.sampling import SamplingParams
 
 
 def test_datasets_come_from_the_installed_packages():
@@ -30,6 +33,7 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
         [
             "--target", str(root / "target"), "--draft", str(tmp_path / "draft"), "--assistant", str(root / "target"),
             "--limit", "2", "--block-sizes", "2", "4", "--temperatures", "0", "1", "--max-new-tokens", "12",
+            "--diagnose",
         ]
     )  # fmt: skip
     lines = capsys.readouterr().out.strip().splitlines()
@@ -43,6 +47,33 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
     assert all(len(r["acceptance_per_position"]) == r["block_size"] - 1 for r in greedy_dflash)
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert lines[0].split()[:2] == ["dataset", "method"]
+    # --diagnose: one line and one JSON entry per dataset; the draft's block (4) was benchmarked.
+    assert sorted(summary["diagnosis"]) == ["humaneval", "mtbench"]
+    for name, diagnosis in summary["diagnosis"].items():
+        assert 0 < diagnosis["target_top1_mean"] <= 1 and 0 <= diagnosis["target_top1_below_half"] <= 1
+        assert len(diagnosis["teacher_forced_accuracy"]) == 3  # slots 1-3 of a b4 draft
+        assert 1 <= diagnosis["simulated_tau"] <= 4 and 0 <= diagnosis["simulated_slot1_acceptance"] <= 1
+        b4 = next(r for r in rows if r["dataset"] == name and r["method"] == "dflash b4" and r["temperature"] == 0)
+        assert diagnosis["measured_tau"] == b4["tau"]
+        assert any(line.startswith(name) and "simulated tau" in line for line in lines)
+
+
+def test_target_confidence_is_the_top1_probability_decoding_used(model):
+    _, target, _, _ = model
+    prompt, output = [5, 6, 7, 8], [9, 9, 9, 10, 9]
+    tokens = torch.tensor([prompt + output])
+    positions = torch.arange(tokens.shape[1])[None]
+    with torch.no_grad():
+        logits = target.forward(tokens, positions, target.new_cache(), positions[:, :0]).logits[0, 3:-1]
+    plain = target_confidence(target, prompt, output, SamplingParams())
+    torch.testing.assert_close(plain, logits.float().softmax(-1).amax(-1))
+    # With a repetition penalty, position j penalises the prompt and output[:j], as decoding did.
+    penalised = target_confidence(target, prompt, output, SamplingParams(repetition_penalty=2.0))
+    for j in range(len(output)):
+        row = logits[j].float().clone()
+        seen = torch.tensor(sorted(set(prompt + output[:j])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / 2.0, row[seen] * 2.0)
+        torch.testing.assert_close(penalised[j], row.softmax(-1).max())
 
 
 def test_demo_runs_a_local_pair_through_the_chat_template(model, tmp_path, capsys):

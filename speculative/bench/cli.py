@@ -11,9 +11,11 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.bench.datasets import DATASETS
+from speculative.bench.diagnose import diagnose, print_diagnosis
 from speculative.bench.run import BenchSettings, run_dflash, run_hf_generate
 from speculative.chat import stop_token_ids, user_prompt_ids
 from speculative.checkpoint import load_draft
+from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 
 
@@ -32,7 +34,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     target = TargetModel.from_pretrained(args.target)
     draft = load_draft(args.draft)
     assistant = AutoModelForCausalLM.from_pretrained(str(args.assistant)).float() if args.assistant else None
-    rows = []
+    rows, diagnoses = [], {}
     for name in args.datasets:
         ids = user_prompt_ids(tokenizer, [p.text for p in DATASETS[name](args.limit)])
         ids = [x for x in ids if len(x) + settings.max_new_tokens + max(settings.block_sizes) <= target.context_length]
@@ -40,6 +42,9 @@ def benchmark(args: argparse.Namespace) -> dict:
             for batch in settings.batch_sizes:
                 base = run_dflash(target, None, ids, 1, batch, temperature, settings, stop)
                 rows.append(_row(name, "target-only", base, base))
+                if args.diagnose and temperature == 0 and name not in diagnoses:
+                    params = SamplingParams(repetition_penalty=settings.repetition_penalty)
+                    diagnoses[name] = diagnose(target, draft, ids, base["outputs"], params)
                 for b in settings.block_sizes:
                     result = run_dflash(target, draft, ids, b, batch, temperature, settings, stop)
                     if temperature == 0:
@@ -52,7 +57,10 @@ def benchmark(args: argparse.Namespace) -> dict:
             if assistant is not None:
                 assisted = run_hf_generate(target.model, ids, temperature, settings, stop, assistant_model=assistant)
                 rows.append(_row(name, "hf assisted", assisted, hf_base, batch_size=1, temperature=temperature))
-    return {"rows": rows, "settings": asdict(settings) | {"prompts_limit": args.limit}}
+    for name, diagnosis in diagnoses.items():
+        diagnosis["measured_tau"] = _measured_tau(rows, name, draft.block_size)
+    summary = {"rows": rows, "settings": asdict(settings) | {"prompts_limit": args.limit}}
+    return summary | ({"diagnosis": diagnoses} if args.diagnose else {})
 
 
 def _row(dataset: str, method: str, result: dict, baseline: dict, **extra: object) -> dict:
@@ -60,6 +68,13 @@ def _row(dataset: str, method: str, result: dict, baseline: dict, **extra: objec
     row.update({k: v for k, v in result.items() if k != "outputs"})
     row["speedup"] = result["tokens_per_s"] / baseline["tokens_per_s"]
     return row
+
+
+def _measured_tau(rows: list[dict], dataset: str, block_size: int) -> float | None:
+    """Greedy batch-1 DFlash tau at ``block_size`` (None when not benchmarked)."""
+    found = [r["tau"] for r in rows if r["dataset"] == dataset and r["method"] == f"dflash b{block_size}"
+             and r["temperature"] == 0 and r["batch_size"] == 1]  # fmt: skip
+    return found[0] if found else None
 
 
 def print_table(rows: list[dict]) -> None:
@@ -91,8 +106,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="for every method (1: off); small targets loop under plain greedy decoding")  # fmt: skip
-    summary = benchmark(parser.parse_args(argv))
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also report target confidence, teacher-forced draft accuracy and simulated tau "
+                             "on the greedy outputs (docs/bench.md)")  # fmt: skip
+    args = parser.parse_args(argv)
+    summary = benchmark(args)
     print_table(summary["rows"])
+    for name, diagnosis in summary.get("diagnosis", {}).items():
+        print_diagnosis(name, diagnosis)
     print(json.dumps(summary))
 
 

@@ -133,20 +133,11 @@ def dflash_loss(
 
 
 @torch.no_grad()
-def simulated_greedy_rounds(draft: DFlashDraftModel, target: TargetModel, sequence: list[int], start: int) -> list[int]:
-    """Drafts greedy serving at the draft's block would accept per round while decoding
-    ``sequence[start:]`` (the target's own greedy continuation of
-    ``sequence[:start]``), from one packed forward instead of a decode loop.
-
-    The draft's guesses at every response position come from ``block_logits``
-    (context strictly before the anchor, as in serving); the rounds are then
-    chained as serving chains them: the first anchor is the first response
-    token, a round at anchor ``a`` accepts the longest prefix of its guesses
-    that matches ``sequence[a+1:]``, and the next anchor is the token after
-    the accepted ones (the bonus). Serving that loses context or shifts a
-    position accepts less than this; the engine tests compare the two.
-    Rounds near the end count only the tokens ``sequence`` still has.
-    """
+def greedy_guess_matches(draft: DFlashDraftModel, target: TargetModel, sequence: list[int], start: int) -> torch.Tensor:
+    """[m, b-1] bool: whether the draft's argmax at block slot k of the block
+    opened at each response position ``start .. len - 2`` equals the token
+    ``sequence`` has there (False past its end). One packed forward: context
+    strictly before the anchor, as in serving."""
     b, n = draft.block_size, len(sequence)
     tokens = torch.tensor([sequence])
     positions = torch.arange(n)[None]
@@ -156,9 +147,27 @@ def simulated_greedy_rounds(draft: DFlashDraftModel, target: TargetModel, sequen
     ).features
     guesses = block_logits(draft, target, tokens, features, torch.tensor([n]), anchors)[0].argmax(-1)
     truth = torch.tensor(sequence + [-1] * b)[anchors[0, :, None] + torch.arange(1, b)]
-    accepted = torch.cumprod((guesses == truth).int(), dim=1).sum(dim=1).tolist()  # leading matches per anchor
-    rounds, anchor = [], start
-    while anchor < n - 1:
-        rounds.append(accepted[anchor - start])
-        anchor += accepted[anchor - start] + 1
+    return guesses == truth
+
+
+def chain_rounds(matches: torch.Tensor) -> list[int]:
+    """Drafts greedy serving accepts per round, given ``greedy_guess_matches``
+    of a sequence: the first anchor is the first response token, a round
+    accepts the longest matching prefix of its guesses, and the next anchor is
+    the token after the accepted ones (the bonus)."""
+    accepted = torch.cumprod(matches.int(), dim=1).sum(dim=1).tolist()  # leading matches per anchor
+    rounds, anchor = [], 0
+    while anchor < len(accepted):
+        rounds.append(accepted[anchor])
+        anchor += accepted[anchor] + 1
     return rounds
+
+
+def simulated_greedy_rounds(draft: DFlashDraftModel, target: TargetModel, sequence: list[int], start: int) -> list[int]:
+    """Drafts greedy serving at the draft's block would accept per round while
+    decoding ``sequence[start:]`` (the target's own greedy continuation of
+    ``sequence[:start]``), from one packed forward instead of a decode loop.
+    Serving that loses context or shifts a position accepts less than this;
+    the engine tests compare the two. Rounds near the end count only the
+    tokens ``sequence`` still has."""
+    return chain_rounds(greedy_guess_matches(draft, target, sequence, start))
