@@ -32,11 +32,7 @@ def distill_draft(
     if sequences.shape[1] - prompt_length < 2:
         raise ValueError("sequences need at least two response tokens")
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        positions = torch.arange(sequences.shape[1]).expand_as(sequences).to(target.device)
-        features = target.forward(
-            sequences, positions, target.new_cache(), positions[:, :0], feature_layers=draft.config.target_layer_ids
-        ).features
+    features = target.forward_sequences(sequences, feature_layers=draft.config.target_layer_ids).features
     for p in target.model.parameters():
         p.requires_grad_(False)
     draft.train()

@@ -121,6 +121,13 @@ class TargetModel:
         windows are applied through masks, so slots stay aligned across layers)."""
         return DynamicCache()
 
+    @torch.no_grad()
+    def forward_sequences(self, input_ids: torch.Tensor, *, feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """One forward over whole sequences [B, S] from position 0 on a fresh
+        cache (kept by no one): training features, teacher-forced analyses."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return self.forward(input_ids, positions, self.new_cache(), positions[:, :0], feature_layers=feature_layers)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -37,9 +37,7 @@ def target_confidence(
 ) -> torch.Tensor:
     """Top-1 probability of the distribution each output token was decoded
     from: one forward over prompt + output, penalised as decoding penalised it."""
-    tokens = torch.tensor([[*prompt, *output]])
-    positions = torch.arange(tokens.shape[1])[None]
-    logits = target.forward(tokens, positions, target.new_cache(), positions[:, :0]).logits
+    logits = target.forward_sequences(torch.tensor([[*prompt, *output]])).logits
     logits = logits[:, len(prompt) - 1 : -1].float()  # the positions that predicted each output token
     history = TokenHistory.from_prompts([prompt], logits.shape[-1], logits.device)
     logits = penalize(logits, [params], history, drafts=torch.tensor([list(output[:-1])], dtype=torch.long))

@@ -136,11 +136,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         batch = [records[i] for i in torch.randint(0, len(records), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate(batch, tokenizer.pad_token_id)
         anchors, valid = sample_anchors(lengths, starts, cfg.anchors_per_sequence, generator)
-        with torch.no_grad():
-            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-            features = target.forward(
-                tokens, positions, target.new_cache(), positions[:, :0], feature_layers=draft.config.target_layer_ids
-            ).features
+        features = target.forward_sequences(tokens, feature_layers=draft.config.target_layer_ids).features
         out = dflash_loss(draft, target, tokens, features, lengths, anchors, valid, gamma)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()

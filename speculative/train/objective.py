@@ -140,11 +140,8 @@ def greedy_guess_matches(draft: DFlashDraftModel, target: TargetModel, sequence:
     strictly before the anchor, as in serving."""
     b, n = draft.block_size, len(sequence)
     tokens = torch.tensor([sequence])
-    positions = torch.arange(n)[None]
     anchors = torch.arange(start, n - 1)[None]
-    features = target.forward(
-        tokens, positions, target.new_cache(), positions[:, :0], feature_layers=draft.config.target_layer_ids
-    ).features
+    features = target.forward_sequences(tokens, feature_layers=draft.config.target_layer_ids).features
     guesses = block_logits(draft, target, tokens, features, torch.tensor([n]), anchors)[0].argmax(-1)
     truth = torch.tensor(sequence + [-1] * b)[anchors[0, :, None] + torch.arange(1, b)]
     return guesses == truth
