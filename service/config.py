@@ -4,7 +4,7 @@ from one pydantic-settings model (flags are generated from it)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -26,6 +26,9 @@ class ServeSettings(BaseSettings):
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>' when set")
     engine: str = Field(default="native", description="engine backend (service.engine.ENGINES)")
     device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto", description="target and draft weights; auto: bf16 where it measures faster (logged at start)"
+    )
     max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")

@@ -37,6 +37,7 @@ from service.metrics import Metrics
 from speculative.checkpoint import load_draft
 from speculative.draft import DFlashDraftModel
 from speculative.policy import Turns
+from speculative.precision import choose_dtype
 from speculative.session import DecodeSession, RoundStats
 from speculative.target import TargetModel
 
@@ -105,8 +106,10 @@ class NativeEngine:
     @classmethod
     def from_settings(cls, settings: ServeSettings, tokenizer: Decoder, metrics: Metrics) -> NativeEngine:
         """Load the target and draft named in ``settings``; steps go to ``metrics``."""
-        target = TargetModel.from_pretrained(settings.target, device=settings.device)
-        draft = load_draft(settings.draft, device=settings.device) if settings.draft else None
+        precision = choose_dtype(settings.dtype, settings.device)
+        log.info("dtype %s (%s: %s)", precision.name, settings.dtype, precision.reason)
+        target = TargetModel.from_pretrained(settings.target, dtype=precision.dtype, device=settings.device)
+        draft = load_draft(settings.draft, dtype=precision.dtype, device=settings.device) if settings.draft else None
         policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
         config = NativeEngineConfig(settings.max_batch_size, settings.max_waiting, policy)
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
