@@ -9,7 +9,7 @@ ragged caches. ``b = 1`` is plain autoregressive decoding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,7 +18,7 @@ from speculative.sampling import GREEDY, SamplingParams
 from speculative.session import DecodeSession, RoundStats, check_pair
 from speculative.target import TargetModel
 
-__all__ = ["DecodeConfig", "GenerationResult", "RoundStats", "check_pair", "spec_generate"]
+__all__ = ["DecodeConfig", "GenerationResult", "RoundStats", "check_pair", "emit_tokens", "spec_generate"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def spec_generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)
     first = session.add(list(range(len(prompts))), prompts, params)
-    finished = _emit(outputs, reasons, {row: [token] for row, token in first.items()}, config)
+    finished = emit_tokens(outputs, reasons, {row: [token] for row, token in first.items()}, config)
     result = GenerationResult(tokens=outputs, finish_reasons=reasons)
     while True:
         session.remove(finished)
@@ -102,7 +102,7 @@ def spec_generate(
             break
         stats, emitted = session.step(config.block_size)
         result.rounds.append(stats)
-        finished = _emit(outputs, reasons, emitted, config)
+        finished = emit_tokens(outputs, reasons, emitted, config)
     result.prefill_seconds = session.prefill_seconds
     return result
 
@@ -133,9 +133,15 @@ def _check_inputs(
             )
 
 
-def _emit(outputs: list[list[int]], reasons: list[str], new: dict[int, list[int]], config: DecodeConfig) -> list[int]:
+def emit_tokens(
+    outputs: MutableMapping[Hashable, list[int]] | list[list[int]],
+    reasons: MutableMapping[Hashable, str] | list[str],
+    new: Mapping[Hashable, list[int]],
+    config: DecodeConfig,
+) -> list[Hashable]:
     """Append each row's new tokens, cut at a stop token or the length limit;
-    returns the rows that finished."""
+    returns the rows that finished (``reasons[row]`` says "stop", else it stays
+    as the caller set it)."""
     stop = set(config.stop_token_ids)
     finished = []
     for row, tokens in new.items():

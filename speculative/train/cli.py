@@ -17,6 +17,7 @@ from pathlib import Path
 from speculative.train.corpus import Corpus, function_pairs, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, train_draft
 from speculative.train.model_card import write_card
+from speculative.train.prompts import Prompt, build_prompts, provenance
 from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
 from speculative.train.target_lm import TargetTrainConfig, train_target
 
@@ -63,14 +64,19 @@ PROMPT_FAMILIES = {
     "requests": ("stdlib docstring requests", request_prompts),
 }
 """``dflash-train data --prompts``: name -> (provenance label, prompts of one source file)."""
+MIXED = "mixed"
+"""``--prompts mixed``: the decontaminated multi-family set of ``speculative.train.prompts``."""
 
 
-def corpus_prompts(family: str, limit: int, seed: int) -> list[str]:
-    """One family's distinct prompts from the corpus, in a fixed order shuffled with ``seed``."""
-    _, extract = PROMPT_FAMILIES[family]
-    prompts = list(dict.fromkeys(prompt for text in Corpus.stdlib().texts() for prompt in extract(text)))
-    random.Random(seed).shuffle(prompts)
-    return prompts[:limit] if limit else prompts
+def corpus_prompts(family: str, limit: int, seed: int) -> list[Prompt]:
+    """Distinct prompts with their sources, the same for the same seed: the mixed
+    set, or one corpus family shuffled with ``seed``."""
+    if family == MIXED:
+        return build_prompts(limit, seed)
+    label, extract = PROMPT_FAMILIES[family]
+    texts = list(dict.fromkeys(prompt for text in Corpus.stdlib().texts() for prompt in extract(text)))
+    random.Random(seed).shuffle(texts)
+    return [Prompt(text, label) for text in (texts[:limit] if limit else texts)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,10 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--limit", type=int, default=0, help="number of prompts (0: all)")
     data.add_argument(
         "--prompts",
-        choices=sorted(PROMPT_FAMILIES),
+        choices=sorted([*PROMPT_FAMILIES, MIXED]),
         default="functions",
-        help="functions: a signature and docstring to complete; requests: a docstring's summary as an English request",
+        help="functions: a signature and docstring to complete; requests: a docstring's summary as an English "
+        "request; mixed: code, math, chat, writing and explanations, decontaminated against the benchmarks",
     )
+    data.add_argument("--time-limit-minutes", type=float, default=0.0, help="stop resumably after this long")
     _add_dataclass_flags(data, RegenerateConfig)
 
     draft = commands.add_parser("draft", help="train a DFlash draft on regenerated data")
@@ -115,8 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "data":
         cfg = RegenerateConfig(**_fields(args, RegenerateConfig))
         prompts = corpus_prompts(args["prompts"], args["limit"], cfg.seed)
-        source = PROMPT_FAMILIES[args["prompts"]][0]
-        summary = regenerate_chat_prompts(args["target"], prompts, args["out"], cfg, source=source)
+        made = provenance(prompts, cfg.seed) if args["prompts"] == MIXED else None
+        summary = regenerate_chat_prompts(
+            args["target"], [p.text for p in prompts], args["out"], cfg, source=[p.source for p in prompts],
+            time_limit_minutes=args["time_limit_minutes"], provenance=made,
+        )  # fmt: skip
     else:
         paths = dict(target_dir=args["target"], data=tuple(args["data"]), out_dir=args["out"], run_dir=args["run_dir"])
         cfg = DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig))
