@@ -122,11 +122,18 @@ class TargetModel:
         return DynamicCache()
 
     @torch.no_grad()
-    def forward_sequences(self, input_ids: torch.Tensor, *, feature_layers: tuple[int, ...] = ()) -> TargetOutput:
+    def forward_sequences(
+        self, input_ids: torch.Tensor, *, feature_layers: tuple[int, ...] = (), logits: bool = True
+    ) -> TargetOutput:
         """One forward over whole sequences [B, S] from position 0 on a fresh
-        cache (kept by no one): training features, teacher-forced analyses."""
+        cache (kept by no one): training features, teacher-forced analyses.
+        ``logits=False`` skips the LM head but for the last position (features
+        only: the head over a large vocabulary costs as much as several layers)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        return self.forward(input_ids, positions, self.new_cache(), positions[:, :0], feature_layers=feature_layers)
+        return self.forward(
+            input_ids, positions, self.new_cache(), positions[:, :0], feature_layers=feature_layers,
+            logits_to_keep=0 if logits else 1,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -136,12 +143,14 @@ class TargetModel:
         cache_positions: torch.Tensor,
         *,
         feature_layers: tuple[int, ...] = (),
+        logits_to_keep: int = 0,
     ) -> TargetOutput:
         """Append ``input_ids`` [B, q] at ``positions`` [B, q] (-1 = padding) to
         ``cache``, whose slots hold the tokens at ``cache_positions`` [B, T]
         (-1 = ignore). Causal within the new tokens; rejected or padded slots are
         hidden by the mask. ``feature_layers``: decoder layers whose outputs to
-        return, concatenated in that order, as ``features``."""
+        return, concatenated in that order, as ``features``. ``logits_to_keep``:
+        logits of that many last positions only (0: all)."""
         self._ensure_hooks(feature_layers)
         key_positions = torch.cat([cache_positions, positions], dim=1)
         allowed = attention_allowed(positions, key_positions, causal=True)
@@ -157,6 +166,7 @@ class TargetModel:
                 position_ids=positions.clamp(min=0),
                 cache=cache,
                 use_cache=True,
+                logits_to_keep=logits_to_keep,
             )
             captured = self._local.captured
         finally:

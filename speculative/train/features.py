@@ -1,0 +1,147 @@
+"""The target's context features, computed once per training record and reused
+by every epoch.
+
+A draft trains for several epochs on the same regenerated records, and the
+target forward that produces their features costs more than the draft's own
+step. So the features of every record (the selected layers' outputs over prompt
+and response) are computed once, in batches of similar length, and stored as
+bf16 safetensors shards (bf16 keeps fp32's range: hidden states with large
+outlier dimensions do not overflow). Building is resumable shard by shard; the
+index records which target, layers and data the features belong to, and a
+store built for anything else is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from speculative.target import TargetModel
+
+INDEX = "index.json"
+STORE_DTYPE = torch.bfloat16
+
+
+def records_digest(records: Sequence[tuple[list[int], int]]) -> str:
+    """Hash of the records' tokens and response starts (which data a store holds)."""
+    digest = hashlib.sha256()
+    for tokens, start in records:
+        digest.update(json.dumps([start, tokens]).encode())
+    return digest.hexdigest()
+
+
+class FeatureStore:
+    """Read side: ``features(i)`` is record i's [len, n*H] feature matrix (float32)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.index = json.loads((path / INDEX).read_text())
+        self._shards: dict[str, object] = {}
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose outputs the store holds, in feature order."""
+        return tuple(self.index["layer_ids"])
+
+    def features(self, record: int, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """Record ``record``'s features, restricted to ``layer_ids`` (a subset of the store's, in that order)."""
+        shard = self.index["shards"][record // self.index["shard_records"]]
+        if shard not in self._shards:
+            self._shards[shard] = safe_open(str(self.path / shard), framework="pt")
+        stored = self._shards[shard].get_tensor(str(record)).float()
+        if layer_ids is None or tuple(layer_ids) == self.layer_ids:
+            return stored
+        width = stored.shape[-1] // len(self.layer_ids)
+        missing = sorted(set(layer_ids) - set(self.layer_ids))
+        if missing:
+            raise ValueError(f"the feature store holds layers {self.layer_ids}, not {missing}")
+        parts = [stored[:, self.layer_ids.index(i) * width : (self.layer_ids.index(i) + 1) * width] for i in layer_ids]
+        return torch.cat(parts, dim=-1)
+
+    def batch(self, records: Sequence[int], width: int, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
+        """Features of ``records`` right-padded with zeros to ``width`` positions: [B, width, n*H]."""
+        rows = [self.features(r, layer_ids) for r in records]
+        out = rows[0].new_zeros(len(rows), width, rows[0].shape[-1])
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        return out
+
+
+def build_feature_store(
+    target: TargetModel,
+    records: Sequence[tuple[list[int], int]],
+    layer_ids: Sequence[int],
+    path: Path,
+    *,
+    shard_records: int = 256,
+    batch_tokens: int = 4096,
+) -> FeatureStore:
+    """Compute (or finish computing) the features of every record into ``path``.
+
+    Shards of ``shard_records`` consecutive records are written whole, so an
+    interrupted build resumes at the first missing shard. Inside a shard,
+    records run in batches of about ``batch_tokens`` padded tokens, sorted by
+    length to limit padding."""
+    identity = {
+        "layer_ids": list(layer_ids),
+        "records": len(records),
+        "records_sha256": records_digest(records),
+        "target": str(getattr(target.model, "name_or_path", "")),
+        "hidden_size": target.hidden_size,
+        "shard_records": shard_records,
+        "dtype": str(STORE_DTYPE).removeprefix("torch."),
+    }
+    index_file = path / INDEX
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        if {k: index.get(k) for k in identity} != identity:
+            raise ValueError(f"{path} holds features of other records, layers or target: use another directory")
+    else:
+        index = {**identity, "shards": [], "seconds": 0.0}
+    path.mkdir(parents=True, exist_ok=True)
+    shards = range(0, len(records), shard_records)
+    with tqdm(total=len(shards), initial=len(index["shards"]), desc="features", unit="shard") as progress:
+        for first in shards[len(index["shards"]) :]:
+            started = time.monotonic()
+            name = f"features-{first // shard_records:05d}.safetensors"
+            tensors = _shard_features(target, records, range(first, min(first + shard_records, len(records))),
+                                      tuple(layer_ids), batch_tokens)  # fmt: skip
+            save_file(tensors, str(path / name))
+            index["shards"].append(name)
+            index["seconds"] = round(index["seconds"] + time.monotonic() - started, 1)
+            index_file.write_text(json.dumps(index, indent=2) + "\n")
+            progress.update(1)
+    return FeatureStore(path)
+
+
+def _shard_features(
+    target: TargetModel,
+    records: Sequence[tuple[list[int], int]],
+    members: range,
+    layer_ids: tuple[int, ...],
+    batch_tokens: int,
+) -> dict[str, torch.Tensor]:
+    order = sorted(members, key=lambda i: len(records[i][0]))
+    tensors: dict[str, torch.Tensor] = {}
+    while order:
+        width = len(records[order[0]][0])
+        batch = [order.pop(0)]
+        while order and (len(batch) + 1) * len(records[order[0]][0]) <= batch_tokens:
+            batch.append(order.pop(0))
+            width = len(records[batch[-1]][0])
+        ids = torch.zeros(len(batch), width, dtype=torch.long, device=target.device)
+        for row, i in enumerate(batch):
+            ids[row, : len(records[i][0])] = torch.tensor(records[i][0])
+        # Right padding: causal attention keeps every real token's features exact.
+        features = target.forward_sequences(ids, feature_layers=layer_ids, logits=False).features
+        for row, i in enumerate(batch):
+            tensors[str(i)] = features[row, : len(records[i][0])].to(STORE_DTYPE).contiguous().cpu()
+    return tensors
