@@ -1,6 +1,8 @@
 """DFlash draft checkpoints in the official format: ``config.json`` plus
 ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``),
-tensors named as in the published drafts, no embedding and no LM head."""
+tensors named as in the published drafts, no embedding and no LM head. A draft
+with a reduced draft vocabulary adds one int64 tensor, ``draft_vocab_ids``, and
+``dflash_config.draft_vocab_size`` in its config."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from speculative.config import DFlashConfig
-from speculative.draft import DFlashDraftModel
+from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -36,12 +38,17 @@ def save_draft(model: DFlashDraftModel, path: str | Path) -> None:
 def load_draft(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DFlashDraftModel:
-    """Load a draft from a local directory with strict name and shape checks."""
+    """Load a draft from a local directory with strict name and shape checks;
+    a draft vocabulary map must match the config's ``draft_vocab_size`` and be
+    valid (sorted, distinct, in the vocabulary)."""
     path = Path(path)
     config = DFlashConfig.from_file(path)
-    model = DFlashDraftModel(config)
-    expected = model.state_dict()
     tensors = _read_tensors(path)
+    try:
+        model = DFlashDraftModel(config, draft_vocab_ids=tensors.get(VOCAB_IDS_NAME))
+    except ValueError as exc:
+        raise CheckpointError(f"draft checkpoint {path}: {exc}") from exc
+    expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong_shape = [

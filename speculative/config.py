@@ -4,7 +4,9 @@ against a target.
 An official DFlash ``config.json`` is a copy of the target's Qwen3 config with
 ``num_hidden_layers`` set to the draft depth, plus ``block_size`` (top level in v1;
 newer checkpoints put it in ``dflash_config``), ``num_target_layers`` and a
-``dflash_config`` dict with ``mask_token_id`` and ``target_layer_ids``.
+``dflash_config`` dict with ``mask_token_id`` and ``target_layer_ids``. This
+project's drafts may add ``dflash_config.draft_vocab_size``: the draft proposes
+only from that many target tokens, listed in the checkpoint's ``draft_vocab_ids``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import Qwen3Config
 
 DEFAULT_BLOCK_SIZE = 16
@@ -64,6 +67,9 @@ class DFlashConfig:
 
     ``architecture`` is the Qwen3 config of the draft layers (sizes, RoPE);
     ``raw`` is the dict as read, written back unchanged on save.
+    ``draft_vocab_size`` is None for a draft that proposes from the whole
+    target vocabulary (every official draft), else the size K of its reduced
+    draft vocabulary.
     """
 
     block_size: int
@@ -72,6 +78,7 @@ class DFlashConfig:
     num_target_layers: int
     layer_attention: tuple[LayerAttention, ...]
     input_embedding_scale: float
+    draft_vocab_size: int | None
     architecture: Qwen3Config = field(repr=False, compare=False)
     raw: dict[str, Any] = field(repr=False, compare=False)
 
@@ -118,14 +125,25 @@ class DFlashConfig:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
             raise DraftConfigError(f"input_embedding_scale must be a positive number, got {scale!r}")
 
+        layer_attention = _layer_attention(raw, dflash, num_layers)  # before transformers' own layer_types check
+        architecture = _architecture(raw)
+        draft_vocab_size = dflash.get("draft_vocab_size")
+        vocab_size = int(architecture.vocab_size)
+        if draft_vocab_size is not None and (not _is_int(draft_vocab_size) or not 0 < draft_vocab_size <= vocab_size):
+            raise DraftConfigError(
+                f"dflash_config.draft_vocab_size must be an integer in [1, vocab_size={vocab_size}], "
+                f"got {draft_vocab_size!r}"
+            )
+
         return cls(
             block_size=int(block_size),
             mask_token_id=int(mask_token_id),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=num_target_layers,
-            layer_attention=_layer_attention(raw, dflash, num_layers),
+            layer_attention=layer_attention,
             input_embedding_scale=float(scale),
-            architecture=_architecture(raw),
+            draft_vocab_size=draft_vocab_size,
+            architecture=architecture,
             raw=dict(raw),
         )
 
@@ -143,8 +161,29 @@ class DFlashConfig:
             raise DraftConfigError(f"{path} is not valid JSON: {exc}") from exc
         return cls.from_dict(raw)
 
-    def check_target(self, *, hidden_size: int, num_layers: int, embedding_rows: int, vocab_size: int) -> None:
-        """Raise ``DraftTargetMismatch`` when this draft cannot serve a target of this shape."""
+    def with_draft_vocab_size(self, size: int | None) -> DFlashConfig:
+        """This config with ``dflash_config.draft_vocab_size`` set to ``size``
+        (None: the whole target vocabulary, and the key is dropped)."""
+        raw = dict(self.raw)
+        dflash = {k: v for k, v in (raw.get("dflash_config") or {}).items() if k != "draft_vocab_size"}
+        if size is not None:
+            dflash["draft_vocab_size"] = size
+        raw["dflash_config"] = dflash
+        return DFlashConfig.from_dict(raw)
+
+    def check_target(
+        self,
+        *,
+        hidden_size: int,
+        num_layers: int,
+        embedding_rows: int,
+        vocab_size: int,
+        draft_vocab_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Raise ``DraftTargetMismatch`` when this draft cannot serve a target of
+        this shape. ``draft_vocab_ids`` is the draft's reduced vocabulary, when it
+        has one: each id names a row of the target's LM head, so all must lie in
+        the target's vocabulary."""
         problems = []
         if hidden_size != self.hidden_size:
             problems.append(f"hidden size: draft {self.hidden_size}, target {hidden_size}")
@@ -162,8 +201,18 @@ class DFlashConfig:
             problems.append(
                 f"mask_token_id {self.mask_token_id} is outside the target's embedding table ({embedding_rows} rows)"
             )
+        problems += self._draft_vocab_problems(draft_vocab_ids, vocab_size)
         if problems:
             raise DraftTargetMismatch("draft does not fit the target: " + "; ".join(problems))
+
+    def _draft_vocab_problems(self, ids: torch.Tensor | None, vocab_size: int) -> list[str]:
+        """What is wrong with ``ids`` as this draft's map for a target of ``vocab_size`` tokens."""
+        size = None if ids is None else ids.numel()
+        if size != self.draft_vocab_size:
+            return [f"draft vocabulary: the config declares {self.draft_vocab_size} ids, the map has {size}"]
+        if ids is not None and int(ids.max()) >= vocab_size:
+            return [f"draft_vocab_ids has id {int(ids.max())}, outside the target's vocabulary of {vocab_size} tokens"]
+        return []
 
 
 def _is_int(value: Any) -> bool:

@@ -6,6 +6,12 @@ features followed by the block itself. The draft has no embedding or LM head of
 its own: the target's are used (see ``speculative.target``). Parameter names are
 exactly those of the published checkpoints (``fc``, ``hidden_norm``, ``norm``,
 ``layers.N.self_attn.{q,k,v,o}_proj``, ``layers.N.mlp.*``, ...).
+
+A draft may carry a reduced draft vocabulary (FR-Spec / EAGLE-3 style): the
+buffer ``draft_vocab_ids``, K sorted target token ids, saved with the weights.
+It then proposes only those tokens, with those K rows of the target's LM head,
+so its head costs K/V of the full one. Verification never reads the map, so the
+output stays exactly the target's.
 """
 
 from __future__ import annotations
@@ -22,6 +28,30 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from speculative.config import DFlashConfig, LayerAttention
 from speculative.masks import attention_allowed
+from speculative.target import TargetModel
+
+VOCAB_IDS_NAME = "draft_vocab_ids"
+
+
+def check_draft_vocab_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``ids`` as a valid reduced draft vocabulary (1-D int64) for a ``vocab_size``
+    vocabulary, or ``ValueError``: K >= 1 distinct ids in ``[0, vocab_size)``,
+    sorted ascending, so that a draft index maps to a target id by one lookup
+    and a target id to a draft index by binary search."""
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"draft_vocab_ids must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"draft_vocab_ids must lie in [0, {vocab_size}), got ids from {int(ids.min())} to {int(ids.max())}"
+        )
+    unordered = (ids[1:] <= ids[:-1]).nonzero()
+    if len(unordered):
+        i = int(unordered[0])
+        raise ValueError(
+            f"draft_vocab_ids must be sorted and distinct: id {int(ids[i + 1])} at index {i + 1} follows {int(ids[i])}"
+        )
+    return ids
 
 
 class DraftAttention(nn.Module):
@@ -91,10 +121,16 @@ class DraftLayer(nn.Module):
 
 class DFlashDraftModel(nn.Module):
     """DFlash v1 draft: ``forward`` maps block embeddings to normed hidden states
-    (apply the target's LM head to get logits); ``context_kv`` turns target
-    features into every layer's context K/V with one fused projection."""
+    (``draft_logits`` applies the target's LM head, or the draft vocabulary's
+    rows of it); ``context_kv`` turns target features into every layer's context
+    K/V with one fused projection.
 
-    def __init__(self, config: DFlashConfig) -> None:
+    ``draft_vocab_ids`` must be given exactly when the config declares a
+    ``draft_vocab_size`` (and then have that many ids)."""
+
+    draft_vocab_ids: torch.Tensor | None
+
+    def __init__(self, config: DFlashConfig, draft_vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         arch = config.architecture
         self.config = config
@@ -105,6 +141,17 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=arch.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(arch)
         self._fused: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self._head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self.register_buffer(VOCAB_IDS_NAME, None)
+        if draft_vocab_ids is None and config.draft_vocab_size is not None:
+            raise ValueError(f"the config declares draft_vocab_size {config.draft_vocab_size} but no draft_vocab_ids")
+        if draft_vocab_ids is not None:
+            if config.draft_vocab_size != draft_vocab_ids.numel():
+                declared = "declares none" if config.draft_vocab_size is None else f"says {config.draft_vocab_size}"
+                raise ValueError(
+                    f"draft_vocab_ids has {draft_vocab_ids.numel()} ids but the config's draft_vocab_size {declared}"
+                )
+            self.set_draft_vocab(draft_vocab_ids)
 
     @property
     def block_size(self) -> int:
@@ -120,6 +167,71 @@ class DFlashDraftModel(nn.Module):
     def layer_attention(self) -> tuple[LayerAttention, ...]:
         """Causality and window of each layer."""
         return self.config.layer_attention
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Propose only from target tokens ``ids`` from now on (None: from all of
+        them); the config's ``draft_vocab_size`` follows, so a save records it."""
+        if ids is not None:
+            ids = check_draft_vocab_ids(ids, int(self.config.architecture.vocab_size)).to(self.fc.weight.device)
+        self.config = self.config.with_draft_vocab_size(None if ids is None else ids.numel())
+        self.draft_vocab_ids = ids
+        self._head = None
+
+    def draft_logits(self, hidden: torch.Tensor, target: TargetModel, *, full_vocab: bool = True) -> torch.Tensor:
+        """Logits of the draft's normed ``hidden`` states [..., H].
+
+        Without a draft vocabulary: exactly ``target.lm_head(hidden)``. With
+        one: only its K rows of the LM head are multiplied (the saving), giving
+        [..., K] logits in draft-index order when ``full_vocab`` is False
+        (training), else scattered into full-vocabulary logits with -inf for
+        every other token (serving), so penalties, warping and verification
+        work unchanged and a sampled proposal is zero outside the subset,
+        which rejection sampling allows.
+        """
+        if self.draft_vocab_ids is None:
+            return target.lm_head(hidden)
+        head = target.model.get_output_embeddings()
+        weight, bias = self._draft_head(head)
+        logits = F.linear(hidden, weight, bias)
+        if not full_vocab:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab_ids, logits)
+
+    def _draft_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft vocabulary's rows of the LM head ``head`` (and its bias).
+
+        Cached, and sliced afresh only when the head's weight or the map changed
+        (tensor version counter) or moved (data pointer), or inference mode was
+        switched (a slice made in inference mode cannot enter autograd). Not
+        cached when autograd must reach the head (grad enabled and the head
+        trainable), nor for tensors made in inference mode (no version counter).
+        """
+        ids, weight, bias = self.draft_vocab_ids, head.weight, head.bias
+        tensors = [t for t in (weight, bias, ids) if t is not None]
+        needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        cacheable = not needs_graph and not any(t.is_inference() for t in tensors)
+        key = (torch.is_inference_mode_enabled(), *((t._version, t.data_ptr()) for t in tensors)) if cacheable else ()
+        if cacheable and self._head is not None and self._head[0] == key:
+            return self._head[1], self._head[2]
+        weight, bias = weight[ids], (bias[ids] if bias is not None else None)
+        if cacheable:
+            self._head = (key, weight, bias)
+        return weight, bias
+
+    def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary index of each target token id, -1 for tokens outside
+        the draft vocabulary (identity without one). A binary search over the
+        sorted map: no vocabulary-sized table."""
+        ids = self.draft_vocab_ids
+        if ids is None:
+            return token_ids
+        index = torch.searchsorted(ids, token_ids).clamp(max=len(ids) - 1)
+        return torch.where(ids[index] == token_ids, index, -1)
+
+    def target_ids(self, draft_index: torch.Tensor) -> torch.Tensor:
+        """Target token id of each draft-vocabulary index (identity without a map)."""
+        return draft_index if self.draft_vocab_ids is None else self.draft_vocab_ids[draft_index]
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for ``positions`` [B, n] (negative positions of padding are clamped)."""

@@ -67,6 +67,7 @@ def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
         num_layers=target.num_layers,
         embedding_rows=target.embedding_rows,
         vocab_size=target.vocab_size,
+        draft_vocab_ids=draft.draft_vocab_ids,
     )
     weight = draft.fc.weight
     if (weight.device, weight.dtype) != (target.device, target.dtype):
@@ -252,7 +253,8 @@ class DecodeSession:
         hidden = draft(embeddings, positions, draft_context(self.batch.draft_cache), self.batch.slot_positions)
         # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
         # Penalties use the committed history only, so every slot is still drafted in parallel.
-        logits = penalize(self.target.lm_head(hidden[:, 1:]), self.rows.params, self.rows.history)
+        # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
+        logits = penalize(draft.draft_logits(hidden[:, 1:], self.target), self.rows.params, self.rows.history)
         if self.proposal == "argmax":
             return logits.argmax(dim=-1), None
         q = probabilities(logits, self.rows.params)

@@ -3,10 +3,12 @@ import json
 import pytest
 import torch
 from builders import draft_config_dict, random_prompts, tiny_draft, tiny_target
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from speculative.checkpoint import CheckpointError, load_draft, save_draft
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.sampling import SamplingParams
 
 OFFICIAL_LAYER_NAMES = [
     "input_layernorm.weight",
@@ -131,4 +133,67 @@ def test_misshaped_tensor_is_named(tmp_path):
 def test_no_weights_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(draft_config_dict()))
     with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
+        load_draft(tmp_path)
+
+
+def test_draft_vocabulary_survives_save_and_load(tmp_path):
+    """The map is saved as an int64 tensor next to the weights and the config
+    records its size; the reloaded draft has both and drafts the same."""
+    draft = tiny_draft(seed=3)
+    ids = torch.tensor([0, 4, 5, 17, 30, 31, 60, 95])
+    draft.set_draft_vocab(ids)
+    save_draft(draft, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 8
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        stored = f.get_tensor("draft_vocab_ids")
+    assert stored.dtype == torch.int64 and torch.equal(stored, ids)
+    loaded = load_draft(tmp_path)
+    assert torch.equal(loaded.draft_vocab_ids, ids) and loaded.config.draft_vocab_size == 8
+    assert not any(name == "draft_vocab_ids" for name, _ in loaded.named_parameters())
+    target = tiny_target()
+    hidden = torch.randn(2, 3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.draft_logits(hidden, target), draft.draft_logits(hidden, target))
+    prompts = random_prompts(3, seed=2)
+    config = DecodeConfig(block_size=4, max_new_tokens=10, proposal="sample")
+    rows = [SamplingParams(1.0, seed=i) for i in range(3)]
+    assert (
+        spec_generate(target, draft, prompts, config, rows).tokens
+        == spec_generate(target, loaded, prompts, config, rows).tokens
+    )
+
+
+def test_official_checkpoint_keeps_the_full_head(tmp_path):
+    write_official(tmp_path, official_tensors())
+    draft = load_draft(tmp_path)
+    assert draft.draft_vocab_ids is None and draft.config.draft_vocab_size is None
+    target = tiny_target()
+    hidden = torch.randn(2, 3, 64)
+    with torch.inference_mode():
+        assert torch.equal(draft.draft_logits(hidden, target), target.lm_head(hidden))
+
+
+def with_vocab(size: int | None) -> dict:
+    raw = draft_config_dict()
+    if size is not None:
+        raw["dflash_config"] = {**raw["dflash_config"], "draft_vocab_size": size}
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("ids", "size", "message"),
+    [
+        (torch.tensor([5, 2, 9]), 3, "sorted and distinct: id 2 at index 1 follows 5"),
+        (torch.tensor([2, 5, 96]), 3, r"must lie in \[0, 96\)"),
+        (torch.tensor([2, 5, 9, 11]), 3, "has 4 ids but the config's draft_vocab_size says 3"),
+        (torch.tensor([2, 5, 9]), None, "has 3 ids but the config's draft_vocab_size declares none"),
+        (None, 3, "declares draft_vocab_size 3 but no draft_vocab_ids"),
+    ],
+)
+def test_corrupt_draft_vocabulary_is_refused(tmp_path, ids, size, message):
+    tensors = official_tensors()
+    if ids is not None:
+        tensors["draft_vocab_ids"] = ids
+    write_official(tmp_path, tensors, with_vocab(size))
+    with pytest.raises(CheckpointError, match=message):
         load_draft(tmp_path)

@@ -1,7 +1,9 @@
+import pytest
 import torch
-from builders import HIDDEN, random_prompts, tiny_draft, tiny_target
+from builders import HIDDEN, VOCAB, draft_config_dict, random_prompts, tiny_draft, tiny_target
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+from speculative.config import DFlashConfig, DraftConfigError, DraftTargetMismatch
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.draft import DFlashDraftModel
 from speculative.session import DecodeSession
@@ -101,3 +103,101 @@ def test_full_attention_block_is_bidirectional_and_causal_flag_is_honoured():
         a = draft(embeddings, block_positions, context, positions)
         b = draft(changed, block_positions, context, positions)
         assert (not torch.allclose(a[:, 0], b[:, 0])) is first_slot_changes
+
+
+HALF_IDS = torch.arange(1, VOCAB, 2)  # a reduced draft vocabulary: every odd token id
+
+
+def test_draft_logits_multiply_only_the_vocabulary_rows(monkeypatch):
+    """With a map: K-way logits equal the full head's columns of those ids, and
+    the serving form puts them back with -inf everywhere else (greedy stays in
+    the subset). Without one: exactly the target's LM head."""
+    target, draft = tiny_target(), tiny_draft()
+    hidden = torch.randn(2, 5, HIDDEN)
+    with torch.inference_mode():
+        assert torch.equal(draft.draft_logits(hidden, target), target.lm_head(hidden))
+        full = target.lm_head(hidden)
+        draft.set_draft_vocab(HALF_IDS)
+        k_way = draft.draft_logits(hidden, target, full_vocab=False)
+        scattered = draft.draft_logits(hidden, target)
+    assert k_way.shape == (2, 5, len(HALF_IDS))
+    torch.testing.assert_close(k_way, full[..., HALF_IDS])
+    assert torch.equal(scattered[..., HALF_IDS], k_way) and torch.isneginf(scattered[..., ::2]).all()
+    assert torch.isin(scattered.argmax(-1), HALF_IDS).all()
+    assert draft.config.draft_vocab_size == len(HALF_IDS)
+    draft.set_draft_vocab(None)
+    assert draft.config.draft_vocab_size is None and "draft_vocab_ids" not in draft.state_dict()
+
+
+def test_draft_head_cache_follows_the_target_head_and_autograd():
+    """The sliced head is rebuilt when the LM head changes in place or changes
+    dtype, and a slice cached in inference mode never enters autograd."""
+    target, draft = tiny_target(), tiny_draft()
+    draft.set_draft_vocab(HALF_IDS)
+    hidden = torch.randn(1, 3, HIDDEN)
+    head = target.model.get_output_embeddings().weight.requires_grad_(False)  # frozen, as in training
+    with torch.inference_mode():
+        before = draft.draft_logits(hidden, target)
+    with torch.no_grad():
+        head.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(draft.draft_logits(hidden, target)[..., HALF_IDS], 2 * before[..., HALF_IDS])
+    trainable = draft.norm.weight
+    loss = draft.draft_logits(draft.norm(hidden), target, full_vocab=False).logsumexp(-1).sum()
+    loss.backward()  # fails if the inference-mode slice were reused here
+    assert trainable.grad is not None and trainable.grad.abs().sum() > 0
+    target.model.double()
+    draft.double()
+    with torch.inference_mode():
+        doubled = draft.draft_logits(hidden.double(), target)
+    assert doubled.dtype == torch.float64
+    torch.testing.assert_close(doubled[..., HALF_IDS].float(), 2 * before[..., HALF_IDS])
+
+
+def test_draft_index_and_target_ids_invert_each_other():
+    draft = tiny_draft()
+    tokens = torch.tensor([[0, 1, 2], [95, 94, 7]])
+    assert torch.equal(draft.draft_index(tokens), tokens) and torch.equal(draft.target_ids(tokens), tokens)
+    draft.set_draft_vocab(HALF_IDS)
+    assert draft.draft_index(tokens).tolist() == [[-1, 0, -1], [47, -1, 3]]
+    assert torch.equal(draft.target_ids(torch.arange(len(HALF_IDS))), HALF_IDS)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (torch.tensor([3, 1, 5]), "sorted and distinct: id 1 at index 1 follows 3"),
+        (torch.tensor([1, 4, 4]), "sorted and distinct: id 4 at index 2 follows 4"),
+        (torch.tensor([1, 96]), r"must lie in \[0, 96\)"),
+        (torch.tensor([-1, 2]), r"must lie in \[0, 96\)"),
+        (torch.tensor([[1, 2]]), "1-D integer"),
+        (torch.tensor([1.0, 2.0]), "1-D integer"),
+        (torch.tensor([], dtype=torch.long), "non-empty"),
+    ],
+)
+def test_a_bad_draft_vocabulary_is_refused(ids, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_draft().set_draft_vocab(ids)
+
+
+def vocab_config(size) -> dict:
+    return draft_config_dict(dflash_config={"mask_token_id": 95, "target_layer_ids": [1, 2], "draft_vocab_size": size})
+
+
+def test_draft_vocabulary_must_agree_with_config_and_target():
+    config = DFlashConfig.from_dict(vocab_config(3))
+    assert config.draft_vocab_size == 3
+    with pytest.raises(ValueError, match="declares draft_vocab_size 3 but no draft_vocab_ids"):
+        DFlashDraftModel(config)
+    with pytest.raises(ValueError, match="has 2 ids but the config's draft_vocab_size says 3"):
+        DFlashDraftModel(config, draft_vocab_ids=torch.tensor([1, 2]))
+    draft = DFlashDraftModel(config, draft_vocab_ids=torch.tensor([1, 2, 95]))
+    for bad in (0, VOCAB + 1, "8"):
+        with pytest.raises(DraftConfigError, match="draft_vocab_size must be an integer"):
+            DFlashConfig.from_dict(vocab_config(bad))
+    shape = dict(hidden_size=HIDDEN, num_layers=4, embedding_rows=VOCAB)
+    config.check_target(**shape, vocab_size=VOCAB, draft_vocab_ids=draft.draft_vocab_ids)
+    with pytest.raises(DraftTargetMismatch, match="id 95, outside the target's vocabulary of 90 tokens"):
+        config.check_target(**shape, vocab_size=90, draft_vocab_ids=draft.draft_vocab_ids)
+    with pytest.raises(DraftTargetMismatch, match="the config declares 3 ids, the map has None"):
+        config.check_target(**shape, vocab_size=VOCAB)

@@ -1,10 +1,15 @@
 """Greedy speculative decoding is token-identical to target-only greedy decoding."""
 
+import copy
+
 import pytest
-from builders import random_prompts, reference_greedy, tiny_draft, tiny_target
+import torch
+from builders import VOCAB, random_prompts, reference_greedy, tiny_draft, tiny_target
 
 from speculative.config import DraftTargetMismatch
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.session import DecodeSession
+from speculative.train.draft_vocab import frequent_token_ids, token_coverage
 from speculative.train.objective import simulated_greedy_rounds
 
 NEW_TOKENS = 32
@@ -16,6 +21,17 @@ def pair_and_references(request):
     pair = request.getfixturevalue(f"{'qwen' if request.param == 'qwen3' else 'llama'}_pair")
     target, _ = pair
     return pair, [reference_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reduced_vocab(qwen_pair):
+    """The trained Qwen3 pair's draft restricted to the quarter of the vocabulary
+    its target's greedy outputs use most, and those outputs."""
+    target, draft = qwen_pair
+    references = [reference_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
+    reduced = copy.deepcopy(draft)
+    reduced.set_draft_vocab(frequent_token_ids((t for r in references for t in r), VOCAB // 4, vocab_size=VOCAB))
+    return target, reduced, references
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
@@ -40,6 +56,32 @@ def test_ragged_batches_match_target_greedy(pair_and_references, block_size, com
         assert result.tokens == references[start : start + 6]
         accepted = {n for r in result.rounds for n in r.accepted}
         assert len(accepted) > 1 or block_size == 2
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_reduced_draft_vocabulary_matches_target_greedy(reduced_vocab, block_size, monkeypatch):
+    """A draft proposing from a quarter of the vocabulary: batched greedy output
+    is still the target's, every draft is a token of the subset, drafts get
+    accepted, and the outputs' tokens outside the subset come from the target."""
+    target, draft, references = reduced_vocab
+    proposed = []
+    original = DecodeSession._propose
+
+    def spy(self, positions):
+        drafts, q = original(self, positions)
+        proposed.append(drafts.flatten())
+        return drafts, q
+
+    monkeypatch.setattr(DecodeSession, "_propose", spy)
+    config = DecodeConfig(block_size=block_size, max_new_tokens=NEW_TOKENS)
+    taus = []
+    for start in range(0, len(PROMPTS), 6):
+        result = spec_generate(target, draft, PROMPTS[start : start + 6], config)
+        assert result.tokens == references[start : start + 6]
+        taus.append(result.mean_acceptance_length)
+    assert torch.isin(torch.cat(proposed), draft.draft_vocab_ids).all()
+    assert max(taus) > 1.2, taus
+    assert token_coverage((t for r in references for t in r), draft.draft_vocab_ids, vocab_size=VOCAB) < 0.95
 
 
 def test_random_draft_is_still_lossless():
@@ -88,12 +130,15 @@ def test_round_statistics_are_consistent(qwen_pair):
     assert 1.0 <= result.mean_acceptance_length <= 8.0
 
 
-def test_serving_accepts_what_the_drafts_packed_predictions_allow(qwen_pair):
+@pytest.mark.parametrize("vocabulary", ["full", "reduced"])
+def test_serving_accepts_what_the_drafts_packed_predictions_allow(qwen_pair, reduced_vocab, vocabulary):
     """The decode loop's acceptance per round equals the chain of rounds
     simulated from the training objective's packed forward over the finished
     output: the serving path gives the draft the same context (strictly before
-    the anchor, no token lost or shifted between rounds) as training does."""
-    target, draft = qwen_pair
+    the anchor, no token lost or shifted between rounds) as training does. With
+    a reduced draft vocabulary the simulation maps its K-way guesses back to
+    token ids, as serving's scattered logits do."""
+    target, draft = qwen_pair if vocabulary == "full" else reduced_vocab[:2]
     b = draft.block_size
     accepted_rounds = 0
     for prompt in random_prompts(8, seed=5, min_len=8, max_len=8):  # the distribution the draft was distilled on

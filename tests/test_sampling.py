@@ -6,6 +6,7 @@ pooled. Its false-alarm rate is ALPHA = 0.1 % per check for a correct
 implementation; every run is seeded, so the outcome is deterministic.
 """
 
+import copy
 import itertools
 
 import pytest
@@ -15,12 +16,14 @@ from scipy.stats import chisquare
 
 from speculative import session
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.penalties import TokenHistory, penalize
 from speculative.sampling import SamplingParams, probabilities
 from speculative.verify import Verdict, verify_sampled
 
 ALPHA = 1e-3
 V, PROMPT = EXACT_VOCAB, EXACT_PROMPT
 K = 3  # generated tokens whose joint distribution is checked (V**K cells)
+REDUCED_IDS = torch.tensor([0, 2, 3, 5])  # a reduced draft vocabulary: 4 of the V = 6 tokens
 ROWS = 6000
 WARPS = {
     "t1": dict(temperature=1.0),
@@ -90,6 +93,26 @@ def test_top_k_top_p_warping():
         SamplingParams(top_p=0.0)
 
 
+def test_warping_and_penalties_keep_tokens_outside_a_draft_vocabulary_at_zero():
+    """Draft logits are -inf outside a reduced draft vocabulary: every warping
+    (greedy, temperature, top-k, top-p) and every penalty leaves those tokens
+    at probability zero, never NaN, and greedy never picks one."""
+    logits = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(1)) * 3
+    outside = torch.tensor([0, 3, 4, 7])
+    logits[..., outside] = float("-inf")
+    params = [SamplingParams(), SamplingParams(1.0), SamplingParams(0.7, top_k=6), SamplingParams(1.0, top_p=0.5),
+              SamplingParams(1.3, top_k=3, top_p=0.9, repetition_penalty=1.5, frequency_penalty=-2.0,
+                             presence_penalty=2.0)]  # fmt: skip
+    history = TokenHistory.from_prompts([[0, 1, 3], [7]] * 2 + [[3, 4, 5]], 8, logits.device)
+    history.add([[3, 3, 0]] * 5)
+    penalized = penalize(logits, params, history)
+    assert torch.isneginf(penalized[..., outside]).all() and not penalized.isnan().any()
+    probs = probabilities(penalized, params)
+    assert not probs.isnan().any() and (probs[..., outside] == 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, 3))
+    assert not torch.isin(penalized.argmax(-1), outside).any()
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -132,6 +155,54 @@ def test_speculative_sampling_matches_target_distribution(small_vocab, warp, pro
         # The good draft is good: most of its sampled proposals survive. (Argmax
         # proposals of this high-entropy target pass only when a sample hits the mode.)
         assert taus["good"] > taus["bad"] + 0.5, taus
+
+
+@pytest.fixture(scope="module")
+def reduced_draft(small_vocab):
+    """The good draft proposing only from ``REDUCED_IDS``."""
+    target, drafts = small_vocab
+    draft = copy.deepcopy(drafts["good"])
+    draft.set_draft_vocab(REDUCED_IDS)
+    return target, draft
+
+
+@pytest.mark.parametrize("warp", sorted(WARPS))
+def test_reduced_draft_vocabulary_keeps_sampling_exact(reduced_draft, warp, monkeypatch):
+    """Sampled proposals from 4 of the 6 tokens (q is zero at the other two,
+    which carry much of the target's mass): the output still follows the
+    target's distribution, and drafts do get accepted."""
+    target, draft = reduced_draft
+    params = SamplingParams(**WARPS[warp])
+    exact = exact_joint(target, params)
+    excluded = ~torch.isin(torch.arange(V), REDUCED_IDS)
+    assert exact.view(V, -1).sum(1)[excluded].sum() > 0.2  # the first token is often one the draft cannot propose
+    proposals = []
+    original = session.DecodeSession._propose
+
+    def spy(self, positions):
+        drafts, q = original(self, positions)
+        proposals.append((drafts.flatten(), q))
+        return drafts, q
+
+    monkeypatch.setattr(session.DecodeSession, "_propose", spy)
+    counts, tau = spec_joint_counts(target, draft, params, "sample")
+    assert chi_square_pvalue(counts, exact) > ALPHA, f"tau {tau:.2f}"
+    assert all(torch.isin(d, REDUCED_IDS).all() and (q[..., excluded] == 0).all() for d, q in proposals)
+    assert tau > 1.8  # measured: 2.45 (t1), 2.36 (top-k/top-p)
+
+
+def test_the_check_detects_a_reduced_vocabulary_q_left_unnormalised(reduced_draft, monkeypatch):
+    """Power check: reporting q as if the draft's mass outside its vocabulary
+    were still there (halving q on the subset) must fail the same test."""
+    target, draft = reduced_draft
+
+    def half_q(drafts, draft_probs, target_probs, generators):
+        return verify_sampled(drafts, draft_probs * 0.5, target_probs, generators)
+
+    monkeypatch.setattr(session, "verify_sampled", half_q)
+    params = SamplingParams(temperature=1.0)
+    counts, _ = spec_joint_counts(target, draft, params, "sample")
+    assert chi_square_pvalue(counts, exact_joint(target, params)) < ALPHA
 
 
 def test_the_check_detects_a_wrong_verifier(small_vocab, monkeypatch):

@@ -1,14 +1,19 @@
 """The training pipeline on a tiny scale: target LM, regenerated data, draft."""
 
+import copy
 import dataclasses
+import itertools
 import json
 import math
 import textwrap
 
 import pytest
 import torch
-from builders import HIDDEN, SMALL_CORPUS, draft_config_dict, tiny_draft, tiny_target
+import torch.nn.functional as F
+from builders import HIDDEN, SMALL_CORPUS, VOCAB, draft_config_dict, tiny_draft, tiny_target
+from transformers import AutoTokenizer
 
+from speculative.chat import stop_token_ids
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
@@ -18,7 +23,10 @@ from speculative.target import TargetModel
 from speculative.train.cli import lm_card, main
 from speculative.train.corpus import Corpus, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, grow_from, load_records, train_draft
+from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
+from speculative.train.model_card import parameter_count
 from speculative.train.objective import (
+    block_logits,
     block_visibility,
     default_gamma,
     dflash_loss,
@@ -274,3 +282,139 @@ def test_a_deeper_draft_grown_from_a_trained_one_predicts_the_same():
     assert grown.layers[1].mlp.up_proj.weight.abs().sum() > 0  # the new layers can learn: only outputs are zero
     with pytest.raises(ValueError, match="cannot start a 1-layer draft from a 3-layer one"):
         grow_from(source, grown)
+
+
+def _loss_inputs(draft, target, tokens):
+    """(tokens, features, lengths, anchors, valid) of the packed-loss tests' layout."""
+    features = target.forward_sequences(tokens, feature_layers=draft.config.target_layer_ids).features
+    anchors = torch.tensor([[3, 7, 12], [2, 5, 9]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    return tokens, features, torch.tensor([14, 11]), anchors, valid
+
+
+def test_loss_with_a_draft_vocabulary_uses_k_way_logits_only(monkeypatch):
+    """With a map the draft's logits have K columns (the target's full LM head
+    is never applied) equal to those columns of the full head, and the loss is
+    the weighted CE over labels inside the vocabulary only; labels outside it
+    are still counted."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    full = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(block_size=4)))
+    reduced = copy.deepcopy(full)
+    ids = torch.arange(0, 90, 3)
+    reduced.set_draft_vocab(ids)
+    inputs = _loss_inputs(full, target, torch.randint(0, 90, (2, 14), generator=torch.Generator().manual_seed(1)))
+    tokens, _, lengths, anchors, valid = inputs
+    with torch.no_grad():
+        full_logits = block_logits(full, target, *inputs[:4])
+        full_out = dflash_loss(full, target, *inputs, gamma=2.0)
+        monkeypatch.setattr(target, "lm_head", lambda hidden: pytest.fail("full-vocabulary logits in training"))
+        logits = block_logits(reduced, target, *inputs[:4])
+        out = dflash_loss(reduced, target, *inputs, gamma=2.0)
+    assert logits.shape == (2, 3, 3, len(ids))
+    torch.testing.assert_close(logits, full_logits[..., ids])
+    weights, total, norm, outside = position_weights(4, 2.0), 0.0, 0.0, 0
+    for row, j, k in itertools.product(range(2), range(3), range(1, 4)):
+        a = int(anchors[row, j])
+        if not valid[row, j] or a + k >= lengths[row]:
+            continue
+        label = int(tokens[row, a + k])
+        if label % 3:
+            outside += 1
+            continue
+        total += weights[k - 1] * F.cross_entropy(logits[row, j, k - 1], torch.tensor(label // 3))
+        norm += weights[k - 1]
+    assert outside > 0 and norm > 0
+    torch.testing.assert_close(out.loss, total / norm)
+    assert out.counted.tolist() == full_out.counted.tolist() == [5, 4, 4]
+
+
+def test_labels_outside_the_draft_vocabulary_count_as_wrong():
+    """Drafts whose hidden state is zero guess draft index 0 everywhere: token 0
+    for the full vocabulary, token 1 for a map of the odd ids. On labels drawn
+    from {0, 1, 2} the full draft is right exactly at the 0s, the reduced one
+    exactly at the 1s (and the 0s and 2s, outside its map, count as wrong)."""
+    target = tiny_target()
+    full = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(block_size=4)))
+    with torch.no_grad():
+        full.norm.weight.zero_()
+    reduced = copy.deepcopy(full)
+    reduced.set_draft_vocab(torch.arange(1, VOCAB, 2))
+    tokens = torch.randint(0, 3, (2, 14), generator=torch.Generator().manual_seed(2))
+    inputs = _loss_inputs(full, target, tokens)
+    with torch.no_grad():
+        full_out = dflash_loss(full, target, *inputs, gamma=2.0)
+        out = dflash_loss(reduced, target, *inputs, gamma=2.0)
+    label_positions = inputs[3][:, :, None] + torch.arange(1, 4)
+    counted = inputs[4][:, :, None] & (label_positions < inputs[2][:, None, None])
+    labels = tokens.gather(1, label_positions.clamp(max=13).flatten(1)).view_as(label_positions)
+    assert full_out.correct.tolist() == ((labels == 0) & counted).sum(dim=(0, 1)).tolist()
+    assert out.correct.tolist() == ((labels == 1) & counted).sum(dim=(0, 1)).tolist()
+    assert out.counted.tolist() == full_out.counted.tolist() == counted.sum(dim=(0, 1)).tolist()
+    assert 0 < out.correct.sum() < out.counted.sum()
+    torch.testing.assert_close(out.loss, torch.tensor(math.log(VOCAB // 2)))  # uniform over the K = 48 ids
+
+
+def test_frequent_token_ids_and_coverage():
+    records = [([9, 9, 5, 5, 5, 3, 3], 2), ([8, 7, 7, 1], 1)]  # responses: 5 5 5 3 3 | 7 7 1
+    tokens = list(response_tokens(records))
+    assert tokens == [5, 5, 5, 3, 3, 7, 7, 1]
+    assert frequent_token_ids(tokens, 3, vocab_size=10).tolist() == [3, 5, 7]
+    assert frequent_token_ids(tokens, 2, vocab_size=10).tolist() == [3, 5]  # 3 and 7 tie: the smaller id
+    assert frequent_token_ids(tokens, 3, vocab_size=10, always=[0]).tolist() == [0, 3, 5]
+    assert frequent_token_ids(tokens, 6, vocab_size=10).tolist() == [0, 1, 2, 3, 5, 7]  # unseen ids fill up by id
+    assert token_coverage(tokens, torch.tensor([0, 3, 5]), vocab_size=10) == 5 / 8
+    for bad in (dict(k=0), dict(k=11), dict(k=1, always=[0, 1]), dict(k=2, always=[10])):
+        with pytest.raises(ValueError):
+            frequent_token_ids(tokens, **{"vocab_size": 10, **bad})
+
+
+def test_draft_training_with_a_reduced_vocabulary_writes_the_map(tiny_pipeline, tmp_path):
+    """``dflash-train draft --draft-vocab-size K``: the trained draft's checkpoint
+    holds the K most frequent response tokens (stop tokens included), the
+    summary their coverage, the model card counts no id as a parameter; it
+    decodes losslessly, and training started from it keeps the map."""
+    root, _, _ = tiny_pipeline
+    common = dict(target_dir=root / "target", data=(root / "data.jsonl",), block_size=4, batch_size=4, epochs=0.5)
+    main(
+        [
+            "draft", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), "--out", str(tmp_path / "a"),
+            "--run-dir", str(tmp_path / "ra"), "--block-size", "4", "--batch-size", "4", "--epochs", "0.5",
+            "--draft-vocab-size", "16",
+        ]
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "a" / "training.json").read_text())
+    records = load_records([root / "data.jsonl"], 768)
+    stops = stop_token_ids(AutoTokenizer.from_pretrained(str(root / "target")))
+    expected = frequent_token_ids(response_tokens(records), 16, vocab_size=320, always=stops)
+    draft = load_draft(tmp_path / "a")
+    assert torch.equal(draft.draft_vocab_ids, expected) and set(stops) <= set(expected.tolist())
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 16
+    coverage = token_coverage(response_tokens(records), expected, vocab_size=320)
+    assert summary["draft_vocab"] == {"size": 16, "response_token_coverage": round(coverage, 4)} and coverage > 0
+    assert parameter_count(tmp_path / "a") == sum(p.numel() for p in draft.parameters())
+    assert "DFlash draft" in (tmp_path / "a" / "README.md").read_text()
+    target = TargetModel.from_pretrained(root / "target")
+    prompt = records[0][0][: records[0][1]]
+    greedy = spec_generate(target, None, [prompt], DecodeConfig(1, 20)).tokens
+    assert spec_generate(target, draft, [prompt], DecodeConfig(4, 20)).tokens == greedy
+    train_draft(
+        DraftTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", init_from=str(tmp_path / "a"), **common)
+    )
+    assert torch.equal(load_draft(tmp_path / "b").draft_vocab_ids, expected)
+
+
+def test_growing_carries_the_draft_vocabulary():
+    source = tiny_draft(layers=1, seed=3)
+    source.set_draft_vocab(torch.arange(0, VOCAB, 2))
+    grown = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(layers=2))).float().eval()
+    grow_from(grown, source)
+    assert torch.equal(grown.draft_vocab_ids, source.draft_vocab_ids) and grown.config.draft_vocab_size == VOCAB // 2
+    other = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(layers=2)))
+    other.set_draft_vocab(torch.arange(1, VOCAB, 2))
+    with pytest.raises(ValueError, match="has its own draft vocabulary"):
+        grow_from(other, source)
+    full_source, reduced = tiny_draft(layers=1), DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(layers=2)))
+    reduced.set_draft_vocab(torch.arange(5))
+    grow_from(reduced, full_source)  # a full-vocabulary source: the draft keeps its own map
+    assert reduced.draft_vocab_ids.tolist() == [0, 1, 2, 3, 4]

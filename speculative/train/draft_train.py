@@ -5,7 +5,8 @@ blocks per sequence in one forward under the block-sparse mask, same-position
 labels, slot 0 excluded, decaying position weights; the target, its embedding
 and LM head frozen; AdamW with warm-up and cosine decay, clipping 1.0.
 Resumable from ``run_dir/checkpoint.pt``; the result is written in the official
-checkpoint format (what SGLang and vLLM load).
+checkpoint format (what SGLang and vLLM load), plus the draft vocabulary map
+when ``draft_vocab_size`` asks for one.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from speculative.chat import stop_token_ids
 from speculative.checkpoint import load_draft, save_draft
 from speculative.config import DFlashConfig, build_target_layer_ids
-from speculative.draft import DFlashDraftModel
+from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
 from speculative.target import TargetModel
+from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
 from speculative.train.loop import ResumableRun, warmup_cosine
 from speculative.train.objective import default_gamma, dflash_loss, sample_anchors
 from speculative.train.tokenizer import MASK
@@ -32,7 +35,10 @@ from speculative.train.tokenizer import MASK
 class DraftTrainConfig:
     """Draft training settings. ``target_layer_ids`` is a comma list ("" = the
     official default for the draft depth); ``gamma`` 0 = the paper's value for
-    the block size; ``epochs`` may be fractional."""
+    the block size; ``epochs`` may be fractional; ``draft_vocab_size`` K > 0
+    gives the draft a reduced vocabulary, the K most frequent response tokens
+    of the data (stop tokens always included), 0 = the whole vocabulary (or
+    the ``init_from`` draft's map)."""
 
     target_dir: Path
     data: tuple[Path, ...]
@@ -52,6 +58,7 @@ class DraftTrainConfig:
     time_limit_minutes: float = 0.0
     seed: int = 0
     init_from: str = ""
+    draft_vocab_size: int = 0
 
 
 def draft_config_for(target: TargetModel, mask_token_id: int, cfg: DraftTrainConfig) -> DFlashConfig:
@@ -112,9 +119,17 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(draft_config_for(target, tokenizer.convert_tokens_to_ids(MASK), cfg)).train()
+    records = load_records(cfg.data, cfg.max_length)
+    if cfg.draft_vocab_size:
+        ids = frequent_token_ids(
+            response_tokens(records),
+            cfg.draft_vocab_size,
+            vocab_size=target.vocab_size,
+            always=stop_token_ids(tokenizer),
+        )
+        draft.set_draft_vocab(ids)
     if cfg.init_from:
         grow_from(draft, load_draft(cfg.init_from))
-    records = load_records(cfg.data, cfg.max_length)
     steps = max(1, math.ceil(cfg.epochs * len(records) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     warmup = max(1, int(cfg.warmup_ratio * steps))
@@ -164,6 +179,9 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     save_draft(draft, cfg.out_dir)
     config = {k: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in asdict(cfg).items()}
     summary = {"finished": True, "steps": steps, "config": config, **run.state}
+    if draft.draft_vocab_ids is not None:
+        coverage = token_coverage(response_tokens(records), draft.draft_vocab_ids, vocab_size=target.vocab_size)
+        summary["draft_vocab"] = {"size": draft.draft_vocab_ids.numel(), "response_token_coverage": round(coverage, 4)}
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -174,11 +192,22 @@ def grow_from(draft: DFlashDraftModel, source: DFlashDraftModel) -> None:
     ``draft`` has beyond the source's start as identities (their attention and
     MLP output projections zeroed, so the residual stream passes through).
     The grown draft predicts exactly what the source did; training then makes
-    use of the new depth."""
+    use of the new depth. A source's draft vocabulary carries over (a draft
+    that already has a different one is refused: its head would not be the
+    one the source was trained with); a full-vocabulary source keeps the
+    draft's own map."""
     if len(draft.layers) < len(source.layers):
         raise ValueError(f"cannot start a {len(draft.layers)}-layer draft from a {len(source.layers)}-layer one")
+    if source.draft_vocab_ids is not None:
+        own = draft.draft_vocab_ids
+        if own is not None and not torch.equal(own.cpu(), source.draft_vocab_ids.cpu()):
+            raise ValueError(
+                f"the source draft has its own draft vocabulary ({source.draft_vocab_ids.numel()} ids), different "
+                f"from this draft's ({own.numel()} ids): train without draft_vocab_size to keep the source's"
+            )
+        draft.set_draft_vocab(source.draft_vocab_ids)
     missing, unexpected = draft.load_state_dict(source.state_dict(), strict=False)
-    if unexpected or any(not key.startswith("layers.") for key in missing):
+    if unexpected or any(not key.startswith("layers.") and key != VOCAB_IDS_NAME for key in missing):
         raise ValueError(f"the source draft does not fit: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         for layer in draft.layers[len(source.layers) :]:

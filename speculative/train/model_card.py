@@ -11,11 +11,13 @@ from safetensors import safe_open
 
 
 def parameter_count(model_dir: Path) -> int:
-    """Parameters stored in a directory's safetensors files."""
+    """Parameters stored in a directory's safetensors files (floating-point
+    tensors only: an integer tensor, such as a draft vocabulary map, is no weight)."""
     total = 0
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+            slices = [f.get_slice(name) for name in f.keys()]  # noqa: SIM118
+            total += sum(math.prod(s.get_shape()) for s in slices if s.get_dtype().startswith(("F", "BF")))
     return total
 
 

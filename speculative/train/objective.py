@@ -12,6 +12,11 @@ of a row go through ONE draft forward, kept apart by a block-sparse mask:
 
 Slot k (1..b-1) predicts ``x[a + k]`` at its own position; slot 0 is excluded;
 the loss is ``sum(w * CE) / sum(w)`` with ``w_k = exp(-(k-1)/gamma)``.
+
+A draft with a reduced draft vocabulary is trained on K-way logits only (full-
+vocabulary logits are never formed: that is its saving). Labels outside its
+vocabulary are left out of the loss, since the draft can never propose them,
+but count as wrong in the accuracy statistics, since serving rejects there.
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def sample_anchors(
 
 @dataclass
 class LossOutput:
-    """The weighted loss and, per block slot 1..b-1, correct and counted labels."""
+    """The weighted loss and, per block slot 1..b-1, correct and counted labels
+    (labels outside a reduced draft vocabulary are counted, never correct)."""
 
     loss: torch.Tensor
     correct: torch.Tensor
@@ -83,8 +89,10 @@ def block_logits(
     lengths: torch.Tensor,
     anchors: torch.Tensor,
 ) -> torch.Tensor:
-    """Logits [B, m, b-1, V] of block slots 1..b-1 of the block each anchor
-    opens, every block of a row in ONE draft forward under the block-sparse mask.
+    """Logits [B, m, b-1, K] over the draft vocabulary (K = V and index = token
+    id without a reduced one; ``draft.target_ids`` maps indices back) of block
+    slots 1..b-1 of the block each anchor opens, every block of a row in ONE
+    draft forward under the block-sparse mask.
 
     ``tokens`` [B, S] (right-padded), ``features`` [B, S, n*H] the target's
     features of those tokens, ``lengths`` [B] real tokens per row, ``anchors``
@@ -104,7 +112,7 @@ def block_logits(
     visible = block_visibility(anchors, seq_len, b)
     hidden = draft(embeddings, block_positions, context, context_positions, visible=visible)
     hidden = hidden.view(batch, -1, b, hidden.shape[-1])[:, :, 1:]  # slot 0 is the anchor: no prediction
-    return target.lm_head(hidden).float()
+    return draft.draft_logits(hidden, target, full_vocab=False).float()
 
 
 def dflash_loss(
@@ -124,9 +132,10 @@ def dflash_loss(
     logits = block_logits(draft, target, tokens, features, lengths, anchors)
     label_positions = anchors[:, :, None] + torch.arange(1, b, device=tokens.device)
     labels = tokens.gather(1, label_positions.clamp(max=seq_len - 1).flatten(1)).view_as(label_positions)
+    labels = draft.draft_index(labels)  # -1: outside the draft vocabulary
     counted = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-    weights = position_weights(b, gamma).to(tokens.device) * counted
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), ignore_index=-1, reduction="none").view_as(labels)
+    weights = position_weights(b, gamma).to(tokens.device) * (counted & (labels >= 0))
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-8)
     correct = ((logits.argmax(-1) == labels) & counted).sum(dim=(0, 1))
     return LossOutput(loss=loss, correct=correct, counted=counted.sum(dim=(0, 1)))
@@ -136,13 +145,14 @@ def dflash_loss(
 def greedy_guess_matches(draft: DFlashDraftModel, target: TargetModel, sequence: list[int], start: int) -> torch.Tensor:
     """[m, b-1] bool: whether the draft's argmax at block slot k of the block
     opened at each response position ``start .. len - 2`` equals the token
-    ``sequence`` has there (False past its end). One packed forward: context
-    strictly before the anchor, as in serving."""
+    ``sequence`` has there (False past its end); with a reduced draft
+    vocabulary the argmax index is mapped back to its token id first. One
+    packed forward: context strictly before the anchor, as in serving."""
     b, n = draft.block_size, len(sequence)
     tokens = torch.tensor([sequence])
     anchors = torch.arange(start, n - 1)[None]
     features = target.forward_sequences(tokens, feature_layers=draft.config.target_layer_ids).features
-    guesses = block_logits(draft, target, tokens, features, torch.tensor([n]), anchors)[0].argmax(-1)
+    guesses = draft.target_ids(block_logits(draft, target, tokens, features, torch.tensor([n]), anchors)[0].argmax(-1))
     truth = torch.tensor(sequence + [-1] * b)[anchors[0, :, None] + torch.arange(1, b)]
     return guesses == truth
 
