@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from speculative.chat import stop_token_ids
 from speculative.checkpoint import load_draft, save_draft
@@ -26,8 +27,9 @@ from speculative.config import DFlashConfig, build_target_layer_ids
 from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
 from speculative.target import TargetModel
 from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
+from speculative.train.features import build_feature_store
 from speculative.train.loop import ResumableRun, warmup_cosine
-from speculative.train.objective import default_gamma, dflash_loss, sample_anchors
+from speculative.train.objective import coverage_counts, default_gamma, dflash_loss, sample_anchors
 from speculative.train.tokenizer import MASK
 
 
@@ -38,7 +40,17 @@ class DraftTrainConfig:
     the block size; ``epochs`` may be fractional; ``draft_vocab_size`` K > 0
     gives the draft a reduced vocabulary, the K most frequent response tokens
     of the data (stop tokens always included), 0 = the whole vocabulary (or
-    the ``init_from`` draft's map)."""
+    the ``init_from`` draft's map). ``mask_token``: the target's vocabulary
+    entry the MASK slots use (an unused special token; refused when absent).
+    ``anchor_coverage`` > 0: anchors per sequence so each response token is a
+    label of about that many blocks (``anchors_per_sequence`` the most),
+    instead of ``anchors_per_sequence`` each. ``feature_store``: a directory
+    where the target's features of every record are computed once and read by
+    every epoch (layers ``feature_layers``, "" = the draft's; a superset lets
+    drafts fed by different layers share one store). ``holdout``: records kept
+    out of training whose teacher-forced slot accuracy is logged at each
+    checkpoint. ``dtype`` bfloat16: autocast the draft (where the CPU has
+    native bf16)."""
 
     target_dir: Path
     data: tuple[Path, ...]
@@ -59,6 +71,12 @@ class DraftTrainConfig:
     seed: int = 0
     init_from: str = ""
     draft_vocab_size: int = 0
+    mask_token: str = MASK
+    anchor_coverage: float = 0.0
+    feature_store: str = ""
+    feature_layers: str = ""
+    holdout: int = 0
+    dtype: str = "float32"
 
 
 def draft_config_for(target: TargetModel, mask_token_id: int, cfg: DraftTrainConfig) -> DFlashConfig:
@@ -118,11 +136,18 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     for p in target.model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
-    draft = DFlashDraftModel(draft_config_for(target, tokenizer.convert_tokens_to_ids(MASK), cfg)).train()
+    draft = DFlashDraftModel(draft_config_for(target, mask_token_id(tokenizer, cfg.mask_token), cfg)).train()
     records = load_records(cfg.data, cfg.max_length)
+    held_out = sorted(random.Random(cfg.seed).sample(range(len(records)), cfg.holdout)) if cfg.holdout else []
+    training = sorted(set(range(len(records))) - set(held_out))
+    if not training:
+        raise ValueError(f"holdout {cfg.holdout} leaves none of the {len(records)} records to train on")
+    features = feature_source(target, records, draft, cfg)
+    if features is None:
+        return {"finished": False, "stage": "features"}
     if cfg.draft_vocab_size:
         ids = frequent_token_ids(
-            response_tokens(records),
+            response_tokens([records[i] for i in training]),
             cfg.draft_vocab_size,
             vocab_size=target.vocab_size,
             always=stop_token_ids(tokenizer),
@@ -130,7 +155,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         draft.set_draft_vocab(ids)
     if cfg.init_from:
         grow_from(draft, load_draft(cfg.init_from))
-    steps = max(1, math.ceil(cfg.epochs * len(records) / cfg.batch_size))
+    steps = max(1, math.ceil(cfg.epochs * len(training) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     warmup = max(1, int(cfg.warmup_ratio * steps))
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -147,12 +172,17 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     )
     correct = torch.zeros(cfg.block_size - 1)
     counted = torch.zeros(cfg.block_size - 1)
+    started, trained_tokens = run.elapsed(), 0
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
     while not run.finished:
-        batch = [records[i] for i in torch.randint(0, len(records), (cfg.batch_size,), generator=generator).tolist()]
-        tokens, lengths, starts = collate(batch, tokenizer.pad_token_id)
-        anchors, valid = sample_anchors(lengths, starts, cfg.anchors_per_sequence, generator)
-        features = target.forward_sequences(tokens, feature_layers=draft.config.target_layer_ids).features
-        out = dflash_loss(draft, target, tokens, features, lengths, anchors, valid, gamma)
+        index = [training[i] for i in torch.randint(0, len(training), (cfg.batch_size,), generator=generator).tolist()]
+        tokens, lengths, starts = collate([records[i] for i in index], tokenizer.pad_token_id)
+        count = cfg.anchors_per_sequence
+        if cfg.anchor_coverage:
+            count = coverage_counts(lengths, starts, cfg.block_size, cfg.anchor_coverage, cfg.anchors_per_sequence)
+        anchors, valid = sample_anchors(lengths, starts, count, generator)
+        with autocast:
+            out = dflash_loss(draft, target, tokens, features(index, tokens), lengths, anchors, valid, gamma)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -160,16 +190,21 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
         scheduler.step()
         correct += out.correct
         counted += out.counted
+        trained_tokens += int((lengths - starts).sum())
         accuracy = correct / counted.clamp(min=1)
         run.advance(loss=f"{out.loss.item():.3f}", acc1=f"{accuracy[0]:.2f}", tau=f"{expected_tau(accuracy):.2f}")
         if run.due():
-            run.record(
-                {
-                    "loss": out.loss.item(),
-                    "accuracy_per_position": [round(a, 4) for a in accuracy.tolist()],
-                    "expected_tau": expected_tau(accuracy),
-                }
-            )
+            point = {
+                "loss": out.loss.item(),
+                "accuracy_per_position": [round(a, 4) for a in accuracy.tolist()],
+                "expected_tau": expected_tau(accuracy),
+                "response_tokens_per_second": round(trained_tokens / max(1e-9, run.elapsed() - started), 1),
+            }
+            if held_out:
+                held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
+                point.update(holdout_accuracy_per_position=[round(a, 4) for a in held.tolist()],
+                             holdout_expected_tau=expected_tau(held))  # fmt: skip
+            run.record(point)
             correct.zero_()
             counted.zero_()
         if run.out_of_time():
@@ -180,10 +215,73 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     config = {k: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in asdict(cfg).items()}
     summary = {"finished": True, "steps": steps, "config": config, **run.state}
     if draft.draft_vocab_ids is not None:
-        coverage = token_coverage(response_tokens(records), draft.draft_vocab_ids, vocab_size=target.vocab_size)
+        train_tokens = response_tokens([records[i] for i in training])
+        coverage = token_coverage(train_tokens, draft.draft_vocab_ids, vocab_size=target.vocab_size)
         summary["draft_vocab"] = {"size": draft.draft_vocab_ids.numel(), "response_token_coverage": round(coverage, 4)}
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def mask_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of ``token`` exactly as the vocabulary spells it. (The tokenizer's
+    own lookup returns the unknown token's id for a missing entry, which
+    would silently train every MASK slot as that token.)"""
+    vocab = tokenizer.get_vocab()
+    if token not in vocab:
+        special = ", ".join(str(t) for t in tokenizer.added_tokens_decoder.values())
+        raise ValueError(f"mask token {token!r} is not in the target's vocabulary: pick one of its unused special "
+                         f"tokens with --mask-token ({special})")  # fmt: skip
+    return vocab[token]
+
+
+Features = Callable[[list[int], torch.Tensor], torch.Tensor]
+"""(record indices, their collated tokens [B, S]) -> the target's features [B, S, n*H]."""
+
+
+def feature_source(
+    target: TargetModel, records: list[tuple[list[int], int]], draft: DFlashDraftModel, cfg: DraftTrainConfig
+) -> Features | None:
+    """Where a batch's target features come from: the feature store (built or
+    finished first; None while its build is still out of time) or a target
+    forward per batch."""
+    layers = draft.config.target_layer_ids
+    if not cfg.feature_store:
+        return lambda _, tokens: target.forward_sequences(tokens, feature_layers=layers, logits=False).features
+    stored = tuple(int(x) for x in cfg.feature_layers.split(",")) if cfg.feature_layers else layers
+    store = build_feature_store(target, records, stored, Path(cfg.feature_store),
+                                time_limit_s=cfg.time_limit_minutes * 60)  # fmt: skip
+    if store is None:
+        return None
+    return lambda index, tokens: store.batch(index, tokens.shape[1], layers)
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    draft: DFlashDraftModel,
+    target: TargetModel,
+    records: list[tuple[list[int], int]],
+    held_out: list[int],
+    features: Features,
+    pad_id: int,
+    gamma: float,
+    anchors_per_record: int = 128,
+) -> torch.Tensor:
+    """Teacher-forced accuracy per block slot on the held-out records: up to
+    ``anchors_per_record`` anchors each, drawn with a fixed seed so every
+    checkpoint is judged on the same blocks."""
+    generator = torch.Generator().manual_seed(0)
+    correct = torch.zeros(draft.block_size - 1)
+    counted = torch.zeros(draft.block_size - 1)
+    was_training = draft.training
+    draft.eval()
+    for i in held_out:
+        tokens, lengths, starts = collate([records[i]], pad_id)
+        anchors, valid = sample_anchors(lengths, starts, anchors_per_record, generator)
+        out = dflash_loss(draft, target, tokens, features([i], tokens), lengths, anchors, valid, gamma)
+        correct += out.correct
+        counted += out.counted
+    draft.train(was_training)
+    return correct / counted.clamp(min=1)
 
 
 def grow_from(draft: DFlashDraftModel, source: DFlashDraftModel) -> None:

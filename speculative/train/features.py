@@ -83,13 +83,15 @@ def build_feature_store(
     *,
     shard_records: int = 256,
     batch_tokens: int = 4096,
-) -> FeatureStore:
+    time_limit_s: float = 0.0,
+) -> FeatureStore | None:
     """Compute (or finish computing) the features of every record into ``path``.
 
     Shards of ``shard_records`` consecutive records are written whole, so an
     interrupted build resumes at the first missing shard. Inside a shard,
     records run in batches of about ``batch_tokens`` padded tokens, sorted by
-    length to limit padding."""
+    length to limit padding. Past ``time_limit_s`` (0: none) the build stops
+    after the shard in progress and returns None: call again to go on."""
     identity = {
         "layer_ids": list(layer_ids),
         "records": len(records),
@@ -108,6 +110,7 @@ def build_feature_store(
         index = {**identity, "shards": [], "seconds": 0.0}
     path.mkdir(parents=True, exist_ok=True)
     shards = range(0, len(records), shard_records)
+    deadline = time.monotonic() + time_limit_s if time_limit_s else float("inf")
     with tqdm(total=len(shards), initial=len(index["shards"]), desc="features", unit="shard") as progress:
         for first in shards[len(index["shards"]) :]:
             started = time.monotonic()
@@ -119,6 +122,8 @@ def build_feature_store(
             index["seconds"] = round(index["seconds"] + time.monotonic() - started, 1)
             index_file.write_text(json.dumps(index, indent=2) + "\n")
             progress.update(1)
+            if time.monotonic() > deadline and len(index["shards"]) < len(shards):
+                return None
     return FeatureStore(path)
 
 

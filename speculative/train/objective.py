@@ -32,6 +32,17 @@ from speculative.target import TargetModel
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
+def coverage_counts(
+    lengths: torch.Tensor, starts: torch.Tensor, block_size: int, coverage: float, most: int
+) -> torch.Tensor:
+    """Anchors per row so that each response token is a label of about
+    ``coverage`` blocks (a block labels b - 1 tokens), at least 1 and at most
+    ``most``: a fixed count per row would cover a short response many times
+    over and a long one thinly."""
+    wanted = torch.ceil(coverage * (lengths - starts).clamp(min=1) / (block_size - 1)).long()
+    return wanted.clamp(1, most)
+
+
 def default_gamma(block_size: int) -> float:
     """The paper's decay for its block sizes; for others, interpolated as b/2 - 1."""
     return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
@@ -56,16 +67,19 @@ def block_visibility(anchors: torch.Tensor, seq_len: int, block_size: int) -> to
 
 
 def sample_anchors(
-    lengths: torch.Tensor, starts: torch.Tensor, count: int, generator: torch.Generator
+    lengths: torch.Tensor, starts: torch.Tensor, count: int | torch.Tensor, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``count`` distinct anchors per row from ``[starts, lengths - 1)`` (an
-    anchor needs at least one label after it), sorted; rows with fewer candidate
-    positions get padding anchors, marked invalid. Returns (anchors, valid) [B, count]."""
-    anchors = torch.zeros(len(lengths), count, dtype=torch.long)
-    valid = torch.zeros(len(lengths), count, dtype=torch.bool)
-    for row, (start, end) in enumerate(zip(starts.tolist(), (lengths - 1).tolist(), strict=True)):
+    """Up to ``count`` (one number, or one per row) distinct anchors per row from
+    ``[starts, lengths - 1)`` (an anchor needs at least one label after it),
+    sorted; rows with fewer get padding anchors, marked invalid. Returns
+    (anchors, valid) [B, the largest count]."""
+    counts = torch.as_tensor(count).expand(len(lengths)).tolist()
+    anchors = torch.zeros(len(lengths), max(counts), dtype=torch.long)
+    valid = torch.zeros(len(lengths), max(counts), dtype=torch.bool)
+    rows = zip(starts.tolist(), (lengths - 1).tolist(), counts, strict=True)
+    for row, (start, end, row_count) in enumerate(rows):
         candidates = torch.arange(start, max(start, end))
-        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
+        chosen = candidates[torch.randperm(len(candidates), generator=generator)[:row_count]].sort().values
         anchors[row, : len(chosen)] = chosen
         valid[row, : len(chosen)] = True
     return anchors, valid

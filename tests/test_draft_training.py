@@ -1,0 +1,61 @@
+"""Draft training on real regenerated data at a tiny scale: the mask token is
+looked up exactly, anchors follow a coverage, features come from a store built
+once, and held-out accuracy is logged as training goes."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from speculative.checkpoint import load_draft
+from speculative.train.draft_train import DraftTrainConfig, load_records, mask_token_id, train_draft
+from speculative.train.features import INDEX
+from speculative.train.objective import coverage_counts, sample_anchors
+
+
+def test_the_mask_token_is_looked_up_exactly(tiny_pipeline):
+    root, _, _ = tiny_pipeline
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    assert mask_token_id(tokenizer, "<|MASK|>") == tokenizer.get_vocab()["<|MASK|>"] != tokenizer.unk_token_id
+    with pytest.raises(ValueError, match=r"'<empty_output>' is not in the target's vocabulary.*--mask-token"):
+        mask_token_id(tokenizer, "<empty_output>")
+
+
+def test_anchor_counts_follow_the_coverage():
+    lengths, starts = torch.tensor([100, 10, 400]), torch.tensor([20, 2, 0])
+    assert coverage_counts(lengths, starts, 16, 3.0, 64).tolist() == [16, 2, 64]  # 3*80/15, 3*8/15, capped
+    anchors, valid = sample_anchors(lengths, starts, torch.tensor([16, 2, 64]), torch.Generator().manual_seed(0))
+    assert anchors.shape == (3, 64) and valid.sum(dim=1).tolist() == [16, 2, 64]
+    assert anchors[1, :2].tolist() != [0, 0] and (anchors[1, :2] >= 2).all()
+
+
+def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    common = dict(
+        target_dir=root / "target", data=(root / "data.jsonl",), out_dir=tmp_path / "draft", run_dir=tmp_path / "run",
+        block_size=8, anchors_per_sequence=8, anchor_coverage=2.0, batch_size=4, epochs=6.0, lr=3e-3,
+        checkpoint_every=4, holdout=2, feature_store=str(tmp_path / "store"), feature_layers="0,1,2,3",
+    )  # fmt: skip
+    stopped = train_draft(DraftTrainConfig(**common, time_limit_minutes=1e-9))
+    assert not stopped["finished"]
+    store = json.loads((tmp_path / "store" / INDEX).read_text())
+    assert store["layer_ids"] == [0, 1, 2, 3] and store["records"] == len(load_records([root / "data.jsonl"], 768))
+    summary = train_draft(DraftTrainConfig(**common))
+    assert summary["finished"] and summary["steps"] == math.ceil(6 * (store["records"] - 2) / 4)
+    point = summary["curve"][-1]
+    assert len(point["holdout_accuracy_per_position"]) == 7 and 1.0 <= point["holdout_expected_tau"] <= 8.0
+    assert all(0.0 <= a <= 1.0 for a in point["holdout_accuracy_per_position"])
+    assert point["response_tokens_per_second"] > 0
+    assert summary["curve"][-1]["loss"] < summary["curve"][0]["loss"]
+    assert load_draft(tmp_path / "draft").config.target_layer_ids != (0, 1, 2, 3)  # a subset of the store's layers
+
+
+def test_a_holdout_of_every_record_is_refused(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    every = len(load_records([root / "data.jsonl"], 768))
+    config = DraftTrainConfig(target_dir=root / "target", data=(root / "data.jsonl",), out_dir=tmp_path / "d",
+                              run_dir=tmp_path / "r", holdout=every)  # fmt: skip
+    with pytest.raises(ValueError, match="leaves none"):
+        train_draft(config)
