@@ -192,7 +192,9 @@ class DFlashDraftModel(nn.Module):
             return target.lm_head(hidden)
         head = target.model.get_output_embeddings()
         weight, bias = self._draft_head(head)
-        logits = F.linear(hidden, weight, bias)
+        # As one 2-D GEMM: a strided [..., H] input (block slots past the anchor)
+        # would otherwise run as a batched matmul over a broadcast weight, ~3x slower.
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias).view(*hidden.shape[:-1], -1)
         if not full_vocab:
             return logits
         full = logits.new_full((*logits.shape[:-1], head.weight.shape[0]), float("-inf"))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from speculative.cache import growing_cache
 from speculative.masks import additive_mask, attention_allowed
 
 
@@ -117,9 +118,10 @@ class TargetModel:
         return hook
 
     def new_cache(self) -> DynamicCache:
-        """An empty cache with one plain growing layer per decoder layer (sliding
-        windows are applied through masks, so slots stay aligned across layers)."""
-        return DynamicCache()
+        """An empty cache with one growing layer per decoder layer, appended in
+        place (``speculative.cache``; sliding windows are applied through masks,
+        so slots stay aligned across layers)."""
+        return growing_cache()
 
     @torch.no_grad()
     def forward_sequences(

@@ -1,0 +1,91 @@
+"""A KV cache that appends in place.
+
+transformers' ``DynamicLayer`` appends by concatenating, which copies every
+cached key and value at every step: O(T) memory traffic per token and layer.
+On a CPU at batch 48 that copy took 75 % of a decode step of a 30-layer model.
+``GrowingLayer`` keeps spare capacity instead (doubling when full), writes the
+new slots into it, and hands attention a view of the used part. Anything that
+replaces a layer's tensors (``RaggedBatch`` compaction, merging, row selection)
+assigns ``keys``/``values`` as before; the next append reallocates with room.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 64
+"""Slots allocated at least when a layer grows."""
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``update`` writes into spare capacity."""
+
+    def __init__(self, **kwargs) -> None:
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._used = {"keys": 0, "values": 0}  # kept apart: callers assign keys and values one at a time
+        super().__init__(**kwargs)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Cached keys [B, kvh, used slots, d] (a view of the buffer)."""
+        return None if self._keys is None else self._keys[:, :, : self._used["keys"]]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = tensor
+        self._used["keys"] = _slots(tensor)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Cached values [B, kvh, used slots, d] (a view of the buffer)."""
+        return None if self._values is None else self._values[:, :, : self._used["values"]]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
+        self._used["values"] = _slots(tensor)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key_states``/``value_states`` [B, kvh, n, d]; returns all cached keys and values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used, new = self._used["keys"], key_states.shape[-2]
+        if self._used["values"] != used:
+            raise RuntimeError(f"cache layer holds {used} keys but {self._used['values']} values")
+        if (
+            self._keys.dim() < 4
+            or self._values.dim() < 4
+            or used + new > min(self._keys.shape[-2], self._values.shape[-2])
+        ):
+            capacity = max(MIN_CAPACITY, 2 * (used + new))
+            self._keys = _grown(self._keys, key_states, used, capacity)
+            self._values = _grown(self._values, value_states, used, capacity)
+        self._keys[:, :, used : used + new] = key_states
+        self._values[:, :, used : used + new] = value_states
+        self._used = {"keys": used + new, "values": used + new}
+        return self.keys, self.values
+
+
+def _slots(tensor: torch.Tensor | None) -> int:
+    """Slots a tensor assigned to a layer holds (0 for the empty placeholder)."""
+    return 0 if tensor is None or tensor.dim() < 3 else tensor.shape[-2]
+
+
+def _grown(buffer: torch.Tensor, like: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    """A [B, kvh, capacity, d] buffer holding ``buffer``'s first ``used`` slots."""
+    grown = like.new_empty(*like.shape[:2], capacity, like.shape[-1])
+    if used:
+        grown[:, :, :used] = buffer[:, :, :used]
+    return grown
+
+
+def growing_cache() -> DynamicCache:
+    """An empty cache whose layers are ``GrowingLayer``s."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
