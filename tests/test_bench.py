@@ -46,7 +46,9 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
     assert greedy_dflash and all(r["lossless"] for r in greedy_dflash)
     assert all(len(r["acceptance_per_position"]) == r["block_size"] - 1 for r in greedy_dflash)
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert lines[0].split()[:2] == ["dataset", "method"]
+    assert lines[0].startswith("dtype float32 (asked for); CPU features:")  # figures carry the machine beside them
+    assert summary["machine"]["dtype"] == "float32" and isinstance(summary["machine"]["cpu_features"], list)
+    assert lines[1].split()[:2] == ["dataset", "method"]
     # --diagnose: one line and one JSON entry per dataset; the draft's block (4) was benchmarked.
     assert sorted(summary["diagnosis"]) == ["humaneval", "mtbench"]
     for name, diagnosis in summary["diagnosis"].items():

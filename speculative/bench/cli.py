@@ -15,6 +15,7 @@ from speculative.bench.diagnose import diagnose, print_diagnosis
 from speculative.bench.run import BenchSettings, run_dflash, run_hf_generate
 from speculative.chat import stop_token_ids, user_prompt_ids
 from speculative.checkpoint import load_draft
+from speculative.precision import DTYPES, choose_dtype, cpu_features
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 
@@ -31,9 +32,12 @@ def benchmark(args: argparse.Namespace) -> dict:
     )
     tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
     stop = stop_token_ids(tokenizer)
-    target = TargetModel.from_pretrained(args.target)
-    draft = load_draft(args.draft)
-    assistant = AutoModelForCausalLM.from_pretrained(str(args.assistant)).float() if args.assistant else None
+    precision = choose_dtype(args.dtype)
+    target = TargetModel.from_pretrained(args.target, dtype=precision.dtype)
+    draft = load_draft(args.draft, dtype=precision.dtype)
+    assistant = (
+        AutoModelForCausalLM.from_pretrained(str(args.assistant)).to(precision.dtype) if args.assistant else None
+    )
     rows, diagnoses = [], {}
     for name in args.datasets:
         ids = user_prompt_ids(tokenizer, [p.text for p in DATASETS[name](args.limit)])
@@ -59,7 +63,8 @@ def benchmark(args: argparse.Namespace) -> dict:
                 rows.append(_row(name, "hf assisted", assisted, hf_base, batch_size=1, temperature=temperature))
     for name, diagnosis in diagnoses.items():
         diagnosis["measured_tau"] = _measured_tau(rows, name, draft.block_size)
-    summary = {"rows": rows, "settings": asdict(settings) | {"prompts_limit": args.limit}}
+    machine = {"dtype": precision.name, "dtype_reason": precision.reason, "cpu_features": list(cpu_features())}
+    summary = {"rows": rows, "settings": asdict(settings) | {"prompts_limit": args.limit}, "machine": machine}
     return summary | ({"diagnosis": diagnoses} if args.diagnose else {})
 
 
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["auto", *DTYPES],
+                        help="target, draft and assistant weights (auto: bf16 where it measures faster)")  # fmt: skip
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="for every method (1: off); small targets loop under plain greedy decoding")  # fmt: skip
     parser.add_argument("--diagnose", action="store_true",
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
                              "on the greedy outputs (docs/bench.md)")  # fmt: skip
     args = parser.parse_args(argv)
     summary = benchmark(args)
+    machine = summary["machine"]
+    print(f"dtype {machine['dtype']} ({machine['dtype_reason']}); CPU features: {' '.join(machine['cpu_features'])}")
     print_table(summary["rows"])
     for name, diagnosis in summary.get("diagnosis", {}).items():
         print_diagnosis(name, diagnosis)
