@@ -117,11 +117,12 @@ class TargetModel:
 
         return hook
 
-    def new_cache(self) -> DynamicCache:
-        """An empty cache with one growing layer per decoder layer, appended in
-        place (``speculative.cache``; sliding windows are applied through masks,
-        so slots stay aligned across layers)."""
-        return growing_cache()
+    def new_cache(self, *, in_place: bool = False) -> DynamicCache:
+        """An empty cache with one growing layer per decoder layer (sliding
+        windows are applied through masks, so slots stay aligned across layers).
+        ``in_place``: layers that append into spare capacity
+        (``speculative.cache``) instead of concatenating the whole cache."""
+        return growing_cache() if in_place else DynamicCache()
 
     @torch.no_grad()
     def forward_sequences(

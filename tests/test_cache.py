@@ -46,3 +46,30 @@ def test_the_cache_builds_growing_layers():
     cache = growing_cache()
     cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), 1)
     assert len(cache.layers) == 2 and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+
+
+def test_sessions_on_either_cache_decode_and_accept_the_same(qwen_pair):
+    """Merging new rows, compaction and row removal over in-place layers: the
+    same tokens and the same acceptance as over concatenating ones."""
+    from builders import random_prompts
+
+    from speculative.sampling import GREEDY
+    from speculative.session import DecodeSession
+
+    target, draft = qwen_pair
+    prompts = random_prompts(6, seed=3, min_len=4, max_len=14)
+    runs = []
+    for in_place in (False, True):
+        session = DecodeSession(target, draft, compact_slack=8, in_place_cache=in_place)
+        trace = [session.add([0, 1, 2], prompts[:3], [GREEDY] * 3)]
+        for step in range(14):
+            if step == 3:
+                trace.append(session.add([3, 4, 5], prompts[3:], [GREEDY] * 3))
+            if step == 8:
+                session.remove([1, 4])
+            stats, emitted = session.step((4, 8, 1)[step % 3])
+            trace.append((stats.accepted, emitted))
+        runs.append(trace)
+    assert runs[0] == runs[1]
+    accepted = [n for entry in runs[0] if isinstance(entry, tuple) for n in entry[0]]
+    assert max(accepted) > 1  # drafts were accepted, so the draft's context cache was read right
