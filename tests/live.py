@@ -6,6 +6,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx2
@@ -39,18 +40,40 @@ class LiveServer:
         self.thread.join(30)
 
 
-def make_server(model, slow_steps=False, controller=False, **settings):
+StepCost = Callable[[int, int], float]  # (batch size, block size) -> seconds
+
+
+def roofline(floor_s: float, knee_tokens: int, draft_s: float) -> StepCost:
+    """A step cost model of a memory-bound verify turning compute-bound: a
+    step reads all weights once (``floor_s``) until it verifies more than
+    ``knee_tokens`` tokens, then grows with them; drafting adds ``draft_s``."""
+
+    def cost(batch: int, block: int) -> float:
+        verify = floor_s * max(1.0, batch * block / knee_tokens)
+        return verify + (draft_s if block > 1 else 0.0)
+
+    return cost
+
+
+def make_server(model, step_cost: StepCost | None = None, controller=False, **settings):
     """A LiveServer over a fresh engine for ``model`` = (root, target, draft,
-    tokenizer); ``slow_steps`` adds 10 ms to every engine step; ``controller``
-    runs the in-process controller as ``dflash-serve`` does."""
+    tokenizer); ``controller`` runs the in-process controller as
+    ``dflash-serve`` does.
+
+    ``step_cost``: every engine step lasts at least ``step_cost(batch, block)``
+    (the engine thread waits out the rest) and the metrics record exactly that
+    cost, so what the controller measures follows the model however busy the
+    machine is (the real steps must stay cheaper than the model)."""
     root, target, draft, tokenizer = model
     engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
     metrics = Metrics()
 
     def on_step(stats, seconds):
+        if step_cost is not None:
+            modeled = step_cost(stats.batch_size, stats.block_size)
+            time.sleep(max(0.0, modeled - seconds))
+            seconds = modeled
         metrics.observe_step(stats, seconds)
-        if slow_steps:
-            time.sleep(0.01)
 
     engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
     serve_settings = ServeSettings(target=root / "target", draft=None, **settings)

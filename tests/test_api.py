@@ -164,8 +164,8 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 
 
 def test_full_queue_is_429_with_retry_after(model):
-    # Slowed steps keep the first request (>= 375 rounds) running while the second arrives.
-    live, _ = make_server(model, slow_steps=True, max_batch_size=1, max_waiting=0)
+    # 10 ms steps keep the first request (>= 375 rounds) running while the second arrives.
+    live, _ = make_server(model, step_cost=lambda batch, block: 0.01, max_batch_size=1, max_waiting=0)
     body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0}
     with live as url, httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as busy:
         assert busy.status_code == 200
