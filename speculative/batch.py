@@ -89,6 +89,14 @@ class RaggedBatch:
                 layer.keys = layer.keys[rows]
                 layer.values = layer.values[rows]
 
+    def truncate(self, num_slots: int) -> None:
+        """Drop the cache columns from ``num_slots`` on (undo appends not kept)."""
+        self.slot_positions = self.slot_positions[:, :num_slots]
+        for cache in self._caches():
+            for layer in cache.layers:
+                layer.keys = layer.keys[:, :, :num_slots]
+                layer.values = layer.values[:, :, :num_slots]
+
     def _caches(self) -> list[DynamicCache]:
         return [c for c in (self.target_cache, self.draft_cache) if c is not None]
 

@@ -86,12 +86,9 @@ def gguf_path(spec: PackagedModel, *, install: bool) -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
+    """Hex SHA-256 of a file."""
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def dequantised_copy(model: PreTrainedModel) -> PreTrainedModel:

@@ -14,13 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = 0.01
+"""Smallest temperature above 0 (greedy): what vLLM clamps to; far smaller
+ones overflow float32 (1e-45 turned logits into inf and probabilities into NaN)."""
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""Seeds ``torch.Generator.manual_seed`` accepts."""
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""Repetition penalties allowed (1: off); outside, penalised logits overflow."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. ``temperature == 0`` means greedy; ``top_k == 0``
     and ``top_p == 1`` disable those filters; ``seed`` makes the row reproducible.
     Penalties (``speculative.penalties``): ``presence_penalty`` and
-    ``frequency_penalty`` in [-2, 2] (0: off), ``repetition_penalty`` > 0 (1: off)."""
+    ``frequency_penalty`` in [-2, 2] (0: off), ``repetition_penalty`` in
+    ``REPETITION_PENALTY_RANGE`` (1: off). The bounds are what the engine
+    computes safely; the API schema states the same ones."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -31,16 +41,19 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
 
     @property
     def penalized(self) -> bool:
@@ -65,7 +78,7 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     greedy = torch.tensor([p.greedy for p in params], device=device)
     temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
     logits = logits / temperature[:, None, None]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k < vocab).any() or (top_p < 1).any()):
         logits = _filter_top_k_top_p(logits, top_k, top_p)

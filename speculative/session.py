@@ -19,6 +19,7 @@ speculation can resume at any later round.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,14 @@ class _Rows:
         self.params = [self.params[i] for i in index]
         self.generators = [self.generators[i] for i in index]
         self.history.select(rows)
+
+    def subset(self, index: list[int]) -> _Rows:
+        """These rows' state as a new ``_Rows`` (generators shared, not copied)."""
+        rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
+        history = copy.copy(self.history)
+        history.select(rows)  # select assigns new tensors: the original keeps its own
+        keys, params, generators = ([items[i] for i in index] for items in (self.keys, self.params, self.generators))
+        return _Rows(keys, self.anchors[rows], params, generators, history)
 
     def extend(self, other: _Rows) -> None:
         self.keys += other.keys
@@ -185,18 +194,57 @@ class DecodeSession:
         else:
             self.batch = None
 
+    def split(self, keys: Sequence[Hashable]) -> DecodeSession:
+        """Move the rows ``keys`` (caches, anchors, sampling and penalty state)
+        into a new session of the same models; ``join`` takes them back."""
+        moving = set(keys)
+        index = [i for i, key in enumerate(self.rows.keys) if key in moving]
+        part = type(self)(self.target, self.draft, proposal=self.proposal, compact_slack=self.compact_slack,
+                             in_place_cache=self.in_place_cache)  # fmt: skip
+        if index:
+            part.batch = copy.deepcopy(self.batch)
+            part.batch.select_rows(torch.tensor(index, device=self.target.device))
+            part.rows = self.rows.subset(index)
+            self.remove([self.rows.keys[i] for i in index])
+        return part
+
+    def join(self, other: DecodeSession) -> None:
+        """Append ``other``'s rows (a ``split`` part) after this session's rows."""
+        if other.batch is None:
+            return
+        if self.batch is None:
+            self.batch = other.batch
+        else:
+            self.batch.merge(other.batch)
+        self.rows.extend(other.rows)
+        other.batch, other.rows = None, other.rows.subset([])
+
     @torch.inference_mode()
     def step(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         """One propose -> verify -> accept -> commit round over every row; returns
         its stats and the tokens each row emits (accepted drafts, then the
-        correction or bonus)."""
+        correction or bonus). A round that raises leaves the session as it was
+        (cache slots, anchors, random generators), so any subset of the rows
+        can run it again."""
         if not 1 <= block_size <= self.max_block_size:
             raise ValueError(f"block_size must be in [1, {self.max_block_size}], got {block_size}")
         if not self.rows.keys:
             raise ValueError("no rows to decode")
+        if self.batch.wasted_slots() >= self.compact_slack:
+            self.batch.compact()
+        slots, anchors = self.batch.num_slots, self.rows.anchors
+        generator_states = [g.get_state() for g in self.rows.generators]
+        try:
+            return self._round(block_size)
+        except Exception:
+            self.batch.truncate(slots)
+            self.rows.anchors = anchors
+            for g, state in zip(self.rows.generators, generator_states, strict=True):
+                g.set_state(state)
+            raise
+
+    def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         batch, device = self.batch, self.target.device
-        if batch.wasted_slots() >= self.compact_slack:
-            batch.compact()
         positions = batch.lengths[:, None] + torch.arange(block_size, device=device)
         t0 = _clock(device)
         drafts, draft_probs = self._propose(positions)

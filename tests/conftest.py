@@ -122,3 +122,23 @@ def small_vocab():
     sequences = torch.tensor([p + o for p, o in zip(prompts, data.tokens, strict=True)])
     distill_draft(good, target, sequences, 6, steps=250)
     return target, {"good": good.eval(), "bad": bad.eval()}
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_pipeline):
+    """(target, b8 draft distilled for 60 steps, tokenizer): the tiny pipeline
+    target for engine tests."""
+    from transformers import AutoTokenizer
+
+    from speculative.target import TargetModel
+
+    root, _, _ = tiny_pipeline
+    target = TargetModel.from_pretrained(root / "target")
+    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
+    raw = draft_config_dict(vocab=320, mask_token_id=3, block_size=8, max_position_embeddings=2048)
+    draft = DFlashDraftModel(DFlashConfig.from_dict(raw))
+    prompts = [[5 + i, 40, 41, 42, 43, 44] for i in range(32)]
+    result = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=40))
+    sequences = torch.tensor([p + o for p, o in zip(prompts, result.tokens, strict=True)])
+    distill_draft(draft, target, sequences, 6, steps=60)
+    return target, draft, tokenizer

@@ -4,8 +4,6 @@ draining and the block-size policy, on the tiny pipeline model and tokenizer."""
 import asyncio
 
 import pytest
-from builders import draft_config_dict
-from transformers import AutoTokenizer
 
 from service.engine import (
     BlockPolicy,
@@ -16,27 +14,7 @@ from service.engine import (
     NativeEngineConfig,
     QueueFullError,
 )
-from speculative.config import DFlashConfig
 from speculative.decode import DecodeConfig, spec_generate
-from speculative.distill import distill_draft
-from speculative.draft import DFlashDraftModel
-from speculative.target import TargetModel
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_pipeline):
-    root, _, _ = tiny_pipeline
-    target = TargetModel.from_pretrained(root / "target")
-    tokenizer = AutoTokenizer.from_pretrained(str(root / "target"))
-    raw = draft_config_dict(vocab=320, mask_token_id=3, block_size=8, max_position_embeddings=2048)
-    draft = DFlashDraftModel(DFlashConfig.from_dict(raw))
-    prompts = [[5 + i, 40, 41, 42, 43, 44] for i in range(32)]
-    result = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=40))
-    import torch
-
-    sequences = torch.tensor([p + o for p, o in zip(prompts, result.tokens, strict=True)])
-    distill_draft(draft, target, sequences, 6, steps=60)
-    return target, draft, tokenizer
 
 
 def prompts(n: int) -> list[tuple[int, ...]]:

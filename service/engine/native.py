@@ -246,26 +246,42 @@ class NativeEngine:
         return admitted
 
     def _prefill(self, jobs: list[_Job]) -> None:
+        """Prefill ``jobs`` together. A prefill that raises (``add`` changes
+        nothing then) is retried on each half, down to single requests: only a
+        request that fails on its own gets an error."""
         keys = [j.request.request_id for j in jobs]
-        first = self.session.add(keys, [j.request.prompt_ids for j in jobs], [j.request.sampling for j in jobs])
+        try:
+            first = self.session.add(keys, [j.request.prompt_ids for j in jobs], [j.request.sampling for j in jobs])
+        except Exception:
+            if len(jobs) == 1:
+                log.exception("request %s failed its prefill", keys[0])
+                jobs[0].send(Delta("", (), "error"))
+                return
+            self._prefill(jobs[: len(jobs) // 2])
+            self._prefill(jobs[len(jobs) // 2 :])
+            return
         with self._lock:
             self._running.update(zip(keys, jobs, strict=True))
         self._deliver({key: [token] for key, token in first.items()}, None)
 
     def _step(self, policy: BlockPolicy) -> None:
-        batch = len(self.session)
-        b = self._turns.block_size(policy, batch)
-        stats, emitted = self.session.step(b)
+        b = self._turns.block_size(policy, len(self.session))
         self._last_block = b
-        if self.on_step is not None:
-            self.on_step(stats, stats.draft_seconds + stats.verify_seconds)
-        self._deliver(emitted, stats)
+        rounds, failed = _step_isolating(self.session, b)
+        for key in failed:
+            self._running[key].send(Delta("", (), "error"))
+        self._finish(failed)
+        for stats, emitted in rounds:
+            if self.on_step is not None:
+                self.on_step(stats, stats.draft_seconds + stats.verify_seconds)
+            self._deliver(emitted, stats)
 
     def _deliver(self, emitted: dict[str, list[int]], stats: RoundStats | None) -> None:
-        """Send each row its tokens; finish rows at a stop token, stop string or
-        the length limit; free finished rows."""
+        """Send each row its tokens (``emitted`` in the order of ``stats``' rows);
+        finish rows at a stop token, stop string or the length limit; free
+        finished rows."""
         done = []
-        accepted = dict(zip(self.session.rows.keys, stats.accepted, strict=True)) if stats else {}
+        accepted = dict(zip(emitted, stats.accepted, strict=True)) if stats else {}
         for key, tokens in emitted.items():
             job = self._running[key]
             if stats is not None and stats.block_size > 1:
@@ -312,3 +328,26 @@ class NativeEngine:
         for job in jobs:
             job.send(Delta("", (), "error"))
         self.session.remove([j.request.request_id for j in jobs])
+
+
+Round = tuple[RoundStats, dict[str, list[int]]]
+
+
+def _step_isolating(session: DecodeSession, b: int) -> tuple[list[Round], list[str]]:
+    """One round for every row of ``session``: the rounds that ran and the rows
+    that failed. A round that raises is rolled back (``DecodeSession.step``)
+    and run again on each half of the rows, down to single rows, so only a row
+    that fails on its own fails; the others decode exactly as they would have."""
+    try:
+        return [session.step(b)], []
+    except Exception:
+        if len(session) == 1:
+            log.exception("request %s failed a decoding step", session.rows.keys[0])
+            return [], list(session.rows.keys)
+    part = session.split(session.rows.keys[len(session) // 2 :])
+    try:
+        first, failed_first = _step_isolating(session, b)
+        second, failed_second = _step_isolating(part, b)
+    finally:
+        session.join(part)
+    return first + second, failed_first + failed_second

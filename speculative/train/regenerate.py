@@ -66,8 +66,7 @@ def weights_sha256(model_dir: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(model_dir.glob("*.safetensors")):
         with file.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+            digest.update(hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
 
 
