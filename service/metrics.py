@@ -18,6 +18,9 @@ b=1 step at the same batch bucket), e.g. for bucket "1":
       / sum(rate(dflash_step_seconds_sum[5m])))
     / (sum(rate(dflash_step_seconds_count{block_size="1",batch_bucket="1"}[5m]))
       / sum(rate(dflash_step_seconds_sum{block_size="1",batch_bucket="1"}[5m])))
+Refused requests per second by reason (queue_full = 429, draining = 503,
+invalid = 400, ...):
+    sum by (reason) (rate(dflash_refused_requests_total[1m]))
 Step time by block size and batch bucket (the controller's cost model):
     rate(dflash_step_seconds_sum[5m]) / rate(dflash_step_seconds_count[5m])
 """
@@ -66,6 +69,8 @@ class Metrics:
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens (as produced)", registry=r)
         self.requests = Counter("dflash_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.refused = Counter("dflash_refused_requests", "Requests refused before decoding, by reason",
+                               ["reason"], registry=r)  # fmt: skip
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.itl = Histogram("dflash_inter_token_latency_seconds", "Time between a request's output deltas",

@@ -3,12 +3,14 @@
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx2
 import openai
 import pytest
-from live import make_server
+from faults import FaultySession
+from live import make_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import batch_bucket
@@ -272,3 +274,100 @@ def test_in_process_controller_runs_and_exports_its_decisions(model):
         text = httpx2.get(url + "/metrics").text
     assert "dflash_controller_decisions_total 3.0" in text
     assert 'dflash_controller_block_size{bucket="1"}' in text
+
+
+def metric_values(url: str, name: str, label: str) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx2.get(url + "/metrics").text)
+    return {s.labels[label]: s.value for f in families for s in f.samples if s.name == name}
+
+
+def test_every_finish_reason_and_refusal_is_counted(model):
+    """length, stop and error on both the streaming and the non-streaming
+    path each count once under their own reason (a streamed length once
+    counted as abort); refusals count by reason."""
+    live, engine = make_server(model)
+    _, target, draft, _ = model
+    engine.session = FaultySession(target, draft, fail_prefill=lambda _, prompts: prompts[0][0] == 299)
+    with live as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        text = client.completions.create(model="target", prompt=[5, 6, 7], max_tokens=12, temperature=0)
+        stop = text.choices[0].text[3:6]
+        for stream in (False, True):
+            calls = {"length": dict(prompt=[5, 6, 7], max_tokens=5), "stop": dict(prompt=[5, 6, 7], stop=stop),
+                     "error": dict(prompt=[299, 6, 7], max_tokens=5)}  # fmt: skip
+            for reason, kwargs in calls.items():
+                body = {"model": "target", "temperature": 0, "max_tokens": 12, "stream": stream, **kwargs}
+                response = httpx2.post(url + "/v1/completions", json=body, timeout=30)
+                if reason == "error" and not stream:
+                    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+                    continue
+                events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+                finish = events[-1]["error"]["type"] if stream and reason == "error" else (
+                    events[-1] if stream else response.json())["choices"][0]["finish_reason"]  # fmt: skip
+                assert finish == ("server_error" if reason == "error" else reason), response.text
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="target", prompt="x", temperature=0.001)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gpt-9", prompt="x")
+        wait_until(lambda: sum(metric_values(url, "dflash_requests_total", "finish_reason").values()) == 7)
+        assert metric_values(url, "dflash_requests_total", "finish_reason") == {"length": 3, "stop": 2, "error": 2}
+        assert metric_values(url, "dflash_refused_requests_total", "reason") == {"invalid": 1, "not_found": 1}
+
+
+class EncodingThreads:
+    """A tokenizer that records which threads encode text."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.threads = inner, set()
+
+    def __call__(self, *args, **kwargs):
+        self.threads.add(threading.current_thread())
+        return self.inner(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.threads.add(threading.current_thread())
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(model):
+    root, target, draft, tokenizer = model
+    recording = EncodingThreads(tokenizer)
+    live, _ = make_server((root, target, draft, recording))
+    with live as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        client.completions.create(model="target", prompt="def f(x):", max_tokens=2)
+        client.chat.completions.create(model="target", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert recording.threads and live.thread not in recording.threads
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["a\udfffb"]}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages.0"),
+    ],
+)
+def test_strict_types_and_valid_unicode(server, body, param):
+    # json.dumps writes ASCII: a lone surrogate travels as its \u escape, as clients send it.
+    raw = json.dumps({"model": "target", **body})
+    response = httpx2.post(server[0] + "/v1/chat/completions", content=raw, timeout=30,
+                           headers={"content-type": "application/json"})  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_an_assistant_message_may_have_null_content(client):
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "y"},
+    ]
+    reply = client.chat.completions.create(model="target", messages=messages, max_tokens=3)
+    assert reply.choices[0].finish_reason in ("length", "stop")

@@ -2,6 +2,7 @@
 draining and the block-size policy, on the tiny pipeline model and tokenizer."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -15,6 +16,7 @@ from service.engine import (
     QueueFullError,
 )
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.session import DecodeSession
 
 
 def prompts(n: int) -> list[tuple[int, ...]]:
@@ -201,3 +203,32 @@ def test_engine_registry():
     assert engine_class("native") is NativeEngine
     with pytest.raises(ValueError, match="unknown engine"):
         engine_class("tgi")
+
+
+def test_requests_being_prefilled_count_against_the_queue_limit(pair):
+    """With 4 rows and 4 waiting places, 8 requests are accepted at most, also
+    while the first ones are being prefilled (they once did not count: 11 of 40
+    got in)."""
+    target, draft, tokenizer = pair
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldPrefill(DecodeSession):
+        def add(self, keys, prompts, sampling):
+            entered.set()
+            release.wait(60)
+            return super().add(keys, prompts, sampling)
+
+    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=4, max_waiting=4))
+    engine.session = HeldPrefill(target, draft)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(engine, GenerateRequest(f"a{i}", prompts(4)[i], 3))) for i in range(4)]
+        await asyncio.to_thread(entered.wait, 60)  # the first four are in their prefill
+        later = [asyncio.create_task(collect(engine, GenerateRequest(f"b{i}", prompts(1)[0], 3))) for i in range(36)]
+        await asyncio.sleep(0)
+        release.set()
+        return await asyncio.gather(*tasks, *later, return_exceptions=True)
+
+    results = run(engine, main())
+    accepted = [r for r in results if not isinstance(r, BaseException)]
+    assert len(accepted) == 8 and all(isinstance(r, QueueFullError) for r in results if r not in accepted)

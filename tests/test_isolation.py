@@ -3,10 +3,10 @@ on halves of the rows, so only the request that fails on its own gets an
 error and every other request decodes exactly what it would have alone."""
 
 import asyncio
-from collections.abc import Hashable, Sequence
 
 import pytest
 import torch
+from faults import FaultySession
 from test_engine import collect, prompts
 
 from service.engine import BlockPolicy, GenerateRequest, NativeEngine, NativeEngineConfig
@@ -17,36 +17,13 @@ SEEDED = SamplingParams(temperature=0.9, top_k=50, seed=7)
 PENALISED = SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.2, frequency_penalty=0.5)
 
 
-class FaultySession(DecodeSession):
-    """Fails any prefill or round that includes a row in ``poison``; a
-    round's failure comes after its target forward has appended to the cache
-    and the generators drew (the worst place: state must roll back)."""
-
-    def __init__(self, *args, poison: tuple[set, set] = (set(), set()), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.poison_prefill, self.poison_step = poison
-
-    def add(self, keys: Sequence[Hashable], prompts, sampling):
-        if self.poison_prefill & set(keys):
-            raise RuntimeError("poisoned prefill")
-        return super().add(keys, prompts, sampling)
-
-    def split(self, keys: Sequence[Hashable]) -> DecodeSession:
-        part = super().split(keys)
-        part.poison_prefill, part.poison_step = self.poison_prefill, self.poison_step
-        return part
-
-    def _accept(self, drafts, draft_probs, target_logits):
-        verdict = super()._accept(drafts, draft_probs, target_logits)
-        if self.poison_step & set(self.rows.keys):
-            raise RuntimeError("poisoned round")
-        return verdict
-
-
-def faulty_engine(pair, poison, max_batch_size=8):
+def faulty_engine(pair, poisoned: str | None = None, stage: str = "prefill", max_batch_size=8):
+    """An engine whose session fails every prefill or round including ``poisoned``."""
     target, draft, tokenizer = pair
     engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size, policy=BlockPolicy.fixed(4)))
-    engine.session = FaultySession(target, draft, poison=poison)
+    hit = lambda keys, *_: poisoned in keys  # noqa: E731
+    faults = {"fail_prefill": hit} if stage == "prefill" else {"fail_round": hit}
+    engine.session = FaultySession(target, draft, **faults)
     return engine
 
 
@@ -70,13 +47,12 @@ def outputs(engine: NativeEngine, reqs: list[GenerateRequest]) -> dict[str, tupl
 @pytest.fixture(scope="module")
 def alone(pair):
     """Each request's tokens decoded on its own."""
-    return {r.request_id: outputs(faulty_engine(pair, (set(), set())), [r])[r.request_id] for r in requests(6)}
+    return {r.request_id: outputs(faulty_engine(pair), [r])[r.request_id] for r in requests(6)}
 
 
 @pytest.mark.parametrize("stage", ["prefill", "step"])
 def test_a_failing_request_fails_alone(pair, alone, stage):
-    poison = ({"r4"}, set()) if stage == "prefill" else (set(), {"r4"})
-    engine = faulty_engine(pair, poison)
+    engine = faulty_engine(pair, "r4", stage)
     got = outputs(engine, requests(6))
     ids, finish = got.pop("r4")
     assert finish == "error" and len(ids) == (0 if stage == "prefill" else 1)  # a prefill emits the first token
@@ -91,15 +67,19 @@ def test_a_round_that_raises_leaves_the_session_unchanged(pair):
     target, draft, _ = pair
     keys, batch_prompts = ["a", "b", "c"], [list(p) for p in prompts(3)]
     sampling = [SamplingParams(), SEEDED, PENALISED]
-    clean, faulty = DecodeSession(target, draft), FaultySession(target, draft, poison=(set(), set()))
+    poisoned = set()
+    clean, faulty = (
+        DecodeSession(target, draft),
+        FaultySession(target, draft, fail_round=lambda keys: bool(poisoned & set(keys))),
+    )
     for session in (clean, faulty):
         session.add(keys, batch_prompts, sampling)
     for step in range(6):
         if step in (1, 4):
-            faulty.poison_step = {"b"}
+            poisoned.add("b")
             with pytest.raises(RuntimeError):
                 faulty.step(4)
-            faulty.poison_step = set()
+            poisoned.clear()
         if step == 3:  # a round in two parts, then joined back
             part = faulty.split(["a", "c"])
             assert faulty.rows.keys == ["b"] and part.rows.keys == ["a", "c"]

@@ -175,6 +175,7 @@ def test_every_dashboard_query_returns_data_and_renders(model, tmp_path):
     with server as url, PrometheusServer(tmp_path, [url], scrape_interval="500ms", labels={"model": "target"}) as prom:
         start = time.time()
         assert hold_concurrency(url, [[5 + i, 6, 7] for i in range(8)], 4, 8.0) >= 4
+        assert httpx2.post(url + "/v1/completions", json={"model": "target", "prompt": ""}).status_code == 400
         time.sleep(2.0)  # a few scrapes after the last request
         empty = [t["expr"] for p in panels() for t in p["targets"] if not instant_query(prom.url, promql(t["expr"]))]
         assert not empty, empty

@@ -99,7 +99,7 @@ def build_app(
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = chat_ids(tokenizer, messages)
+        prompt_ids = await asyncio.to_thread(chat_ids, tokenizer, messages)  # a 2 MB prompt must not stall the loop
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
 
@@ -107,9 +107,10 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
         prompt = body.prompt
-        prompt_ids = (
-            list(prompt) if isinstance(prompt, list) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        )
+        if isinstance(prompt, list):
+            prompt_ids = list(prompt)
+        else:
+            prompt_ids = (await asyncio.to_thread(tokenizer, prompt, add_special_tokens=False))["input_ids"]
         return await _serve(request, body, prompt_ids, body.max_tokens, "text_completion", "cmpl")
 
     return app
@@ -157,20 +158,23 @@ async def _metered(
     token and request metrics recorded; closing it aborts the request."""
     last = time.perf_counter()
     metrics.ttft.observe(last - started)
-    delta, finish = first, "abort"
+    delta = first
     try:
         while True:
             metrics.generation_tokens.inc(len(delta.token_ids))
+            # Read before yielding: a consumer that stops at the last delta closes
+            # this generator at the yield.
+            finish = delta.finish_reason
             yield delta
-            if delta.finish_reason is not None:
-                finish = delta.finish_reason
+            if finish is not None:
                 break
             delta = await anext(stream)
             now = time.perf_counter()
             metrics.itl.observe(now - last)
             last = now
     finally:
-        metrics.observe_request(prompt_tokens=prompt_tokens, finish_reason=finish, e2e=time.perf_counter() - started)
+        metrics.observe_request(prompt_tokens=prompt_tokens, finish_reason=finish or "abort",
+                                e2e=time.perf_counter() - started)  # fmt: skip
         await stream.aclose()
 
 

@@ -66,27 +66,39 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param)
 
 
+REFUSAL_REASONS = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_allowed",
+                   409: "conflict", 429: "queue_full", 503: "draining"}  # fmt: skip
+"""The ``reason`` label of ``dflash_refused_requests_total`` per status."""
+
+
+def refuse(request: Request, error: APIError) -> JSONResponse:
+    """The response for a refused request, counted by reason."""
+    reason = REFUSAL_REASONS.get(error.status, "other")
+    request.app.state.metrics.refused.labels(reason).inc()
+    return error_response(error)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Register every exception handler (validation, HTTP, API, engine, other)."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return refuse(request, _validation_error(exc))
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return refuse(request, exc) if exc.status < 500 or exc.status == 503 else error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        return refuse(request, APIError(exc.status_code, str(exc.detail), type=kind))
 
     for engine_error in (QueueFullError, EngineStoppedError, InvalidRequestError):
 
         @app.exception_handler(engine_error)
-        async def _engine(_: Request, exc: Exception) -> JSONResponse:
-            return error_response(from_engine_error(exc))
+        async def _engine(request: Request, exc: Exception) -> JSONResponse:
+            return refuse(request, from_engine_error(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -2,7 +2,9 @@
 
 Unknown fields are rejected (400 naming the field) and fields the engine does
 not honour are accepted only at their neutral value, so nothing a client asks
-for is silently ignored. ``user`` is accepted and only logged.
+for is silently ignored. ``user`` is accepted and only logged. Types are
+strict (``"stream": "yes"`` or ``"max_tokens": true`` are 400, not coerced),
+and text must be valid Unicode (a lone surrogate is 400, not a tokenizer crash).
 """
 
 from __future__ import annotations
@@ -16,32 +18,56 @@ from speculative.sampling import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED
 MAX_STOP_SEQUENCES = 4
 
 
+def encodable(value):
+    """Refuse text the tokenizer cannot encode (a lone surrogate sent as a JSON
+    escape) in a string or a list of strings; other values pass."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"text is not valid Unicode: {exc.reason} at index {exc.start}") from exc
+    return value
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
+    _text = field_validator("text")(encodable)
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
+    _text = field_validator("content", "name")(encodable)
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for {self.role} messages (only assistant messages may be null)")
+        return self
+
     def text(self) -> str:
-        """The message content as one string."""
+        """The message content as one string (a null assistant content is empty)."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -78,6 +104,9 @@ class SamplingFields(BaseModel):
         stops = [value] if isinstance(value, str) else value
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if not all(stops):
+            raise ValueError("stop sequences must not be empty")
+        encodable(stops)
         return stops
 
     @model_validator(mode="after")
@@ -108,6 +137,8 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a text prompt or one list of token ids."""
 
     prompt: str | list[int] | list[str]
+
+    _text = field_validator("prompt")(encodable)
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
     logprobs: int | None = None
@@ -129,7 +160,7 @@ class CompletionRequest(SamplingFields):
 class PolicyBody(BaseModel):
     """``POST /admin/policy``: block size per batch-size range (b = 1: plain decoding)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     min_batch: list[int] = Field(min_length=1)
     block_sizes: list[int] = Field(min_length=1)
     alternates: list[int] = Field(default=[], description="per range, a block taking turns step by step (optional)")

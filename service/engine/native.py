@@ -96,6 +96,7 @@ class NativeEngine:
         self._check_policy(self._policy)
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: dict[str, _Job] = {}
+        self._prefilling = 0  # admitted, not yet running: they count against the queue limit
         self._lock = threading.Condition()
         self._draining = False
         self._stopped = False
@@ -147,7 +148,8 @@ class NativeEngine:
     def stats(self) -> EngineStats:
         """Running and waiting requests, the last step's block size, draining."""
         with self._lock:
-            return EngineStats(len(self._running), len(self._waiting), self._last_block, self._draining)
+            running = len(self._running) + self._prefilling
+            return EngineStats(running, len(self._waiting), self._last_block, self._draining)
 
     @property
     def max_block_size(self) -> int:
@@ -174,8 +176,9 @@ class NativeEngine:
             if self._draining:
                 raise EngineStoppedError("the server is shutting down")
             capacity = self.config.max_batch_size + self.config.max_waiting
-            if len(self._waiting) + len(self._running) >= capacity:
-                raise QueueFullError(f"{len(self._running)} requests running and {len(self._waiting)} waiting")
+            running = len(self._running) + self._prefilling
+            if len(self._waiting) + running >= capacity:
+                raise QueueFullError(f"{running} requests running and {len(self._waiting)} waiting")
             self._waiting.append(job)
             self._lock.notify_all()
         finished = False
@@ -222,6 +225,7 @@ class NativeEngine:
                 if self._stopped and not self._waiting and not self._running:
                     return
                 admitted = self._admit()
+                self._prefilling = len(admitted)
                 policy = self._policy
             try:
                 self._drop_aborted()
@@ -229,9 +233,9 @@ class NativeEngine:
                     self._prefill(admitted)
                 if self._running:
                     self._step(policy)
-            except Exception:  # a failing step must not leave requests hanging
-                log.exception("scheduler step failed; failing its requests")
-                self._fail_all()
+            except Exception:  # a failure outside the isolated prefill and round must not leave requests hanging
+                log.exception("scheduler iteration failed; failing its requests")
+                self._fail_all(admitted)
 
     def _admit(self) -> list[_Job]:
         free = self.config.max_batch_size - len(self._running)
@@ -255,6 +259,8 @@ class NativeEngine:
         except Exception:
             if len(jobs) == 1:
                 log.exception("request %s failed its prefill", keys[0])
+                with self._lock:
+                    self._prefilling -= 1
                 jobs[0].send(Delta("", (), "error"))
                 return
             self._prefill(jobs[: len(jobs) // 2])
@@ -262,6 +268,7 @@ class NativeEngine:
             return
         with self._lock:
             self._running.update(zip(keys, jobs, strict=True))
+            self._prefilling -= len(jobs)
         self._deliver({key: [token] for key, token in first.items()}, None)
 
     def _step(self, policy: BlockPolicy) -> None:
@@ -321,10 +328,12 @@ class NativeEngine:
             for key in keys:
                 self._running.pop(key, None)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, admitted: list[_Job]) -> None:
+        """End every running request, and those admitted in this iteration, with an error."""
         with self._lock:
-            jobs = [*self._running.values()]
+            jobs = [*self._running.values(), *(j for j in admitted if j.request.request_id not in self._running)]
             self._running.clear()
+            self._prefilling = 0
         for job in jobs:
             job.send(Delta("", (), "error"))
         self.session.remove([j.request.request_id for j in jobs])
