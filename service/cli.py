@@ -1,12 +1,16 @@
 """``dflash-serve``: load the target and its DFlash draft, start the engine and
-the OpenAI-compatible HTTP server (uvicorn). SIGTERM stops admitting, drains
-in-flight requests, then exits."""
+the OpenAI-compatible HTTP server (uvicorn). SIGTERM drains while still
+listening (new requests get 503, in-flight ones finish, up to
+``drain_timeout_s``), ends what is left with an error event, then exits."""
 
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
+import threading
+from types import FrameType
 
 import uvicorn
 from transformers import AutoTokenizer
@@ -47,6 +51,34 @@ def in_process_controller(
     )
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains before it stops listening. The first SIGTERM or
+    SIGINT stops the engine admitting (new requests: 503 with Retry-After,
+    ``/ready``: 503) while in-flight requests finish, for up to
+    ``drain_timeout_s``; then the engine aborts what is left (open streams end
+    with an error event and ``[DONE]``) and uvicorn shuts down as usual. A
+    second SIGINT exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.draining: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.draining is not None:
+            if sig == signal.SIGINT:
+                super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # uvicorn re-raises it after shutdown
+        self.draining = threading.Thread(target=self._drain, name="dflash-drain", daemon=True)
+        self.draining.start()
+
+    def _drain(self) -> None:
+        self.engine.stop(drain=True, timeout=self.drain_timeout_s)
+        self.engine.stop(drain=False, timeout=30.0)
+        self.should_exit = True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: every ``ServeSettings`` field is a flag."""
     settings = ServeSettings(_cli_parse_args=sys.argv[1:] if argv is None else argv, _cli_kebab_case=True)
@@ -61,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                            steps=math.ceil(decision.min_steps))  # fmt: skip
     controller = in_process_controller(engine, metrics, settings, decision) if settings.controller else None
     app = build_app(settings, engine, tokenizer, metrics, controller)
-    uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=int(settings.drain_timeout_s))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5)
+    DrainingServer(config, engine, settings.drain_timeout_s).run()
 
 
 if __name__ == "__main__":

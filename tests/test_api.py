@@ -99,7 +99,12 @@ def test_concurrent_requests_match_sequential_ones(server, client):
 
 def test_models_health_ready(server, client):
     assert [m.id for m in client.models.list().data] == ["target"]
+    assert client.models.retrieve("target").id == "target"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
     assert httpx2.get(server[0] + "/health").json() == {"status": "ok"}
+    assert httpx2.head(server[0] + "/health").status_code == 200
     assert httpx2.get(server[0] + "/ready").status_code == 200
 
 
@@ -274,6 +279,16 @@ def test_in_process_controller_runs_and_exports_its_decisions(model):
         text = httpx2.get(url + "/metrics").text
     assert "dflash_controller_decisions_total 3.0" in text
     assert 'dflash_controller_block_size{bucket="1"}' in text
+
+
+def test_a_pushed_policy_is_refused_while_the_in_process_controller_runs(model):
+    live, engine = make_server(model, controller=True, admin_key="k")
+    with live as url:
+        auth = {"authorization": "Bearer k"}
+        before = httpx2.get(url + "/admin/policy", headers=auth).json()
+        pushed = httpx2.post(url + "/admin/policy", json={"min_batch": [1], "block_sizes": [1]}, headers=auth)
+        assert pushed.status_code == 409 and pushed.json()["error"]["code"] == "controller_active"
+        assert engine.policy.to_dict() == before
 
 
 def metric_values(url: str, name: str, label: str) -> dict[str, float]:

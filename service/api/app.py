@@ -60,7 +60,7 @@ def build_app(
     install_handlers(app)
     authorized = Depends(_check_api_key)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 
@@ -83,6 +83,9 @@ def build_app(
 
     @app.post("/admin/policy", dependencies=[admin])
     async def set_policy(body: PolicyBody) -> dict:
+        if controller is not None:  # it would replace the pushed policy within seconds
+            raise APIError(409, "the in-process controller sets this replica's policy (dflash-serve --controller); "
+                           "restart without it to push policies", code="controller_active")  # fmt: skip
         try:
             policy = BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes), tuple(body.alternates))
             await asyncio.to_thread(engine.set_policy, policy)  # SGLang's RPC blocks
@@ -90,10 +93,16 @@ def build_app(
             raise APIError(400, str(exc), param="block_sizes") from exc
         return await get_policy()
 
+    card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve"}
+
     @app.get("/v1/models", dependencies=[authorized])
     async def models() -> dict:
-        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve"}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[authorized])
+    async def model(model_id: str) -> dict:
+        _check_model(model_id, settings)
+        return card
 
     @app.post("/v1/chat/completions", dependencies=[authorized])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -114,6 +123,15 @@ def build_app(
         return await _serve(request, body, prompt_ids, body.max_tokens, "text_completion", "cmpl")
 
     return app
+
+
+ENDED_BY_SERVER = {
+    "error": APIError(500, "generation failed", type="server_error"),
+    # A listening client's request is aborted only when the drain timeout ran out.
+    "abort": APIError(503, "the server shut down before the completion finished", type="service_unavailable",
+                      code="draining", headers={"Retry-After": "5"}),
+}  # fmt: skip
+"""Engine finish reasons that end a request with an error (response or final event)."""
 
 
 async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
@@ -197,8 +215,8 @@ async def _complete(request: Request, stream: AsyncIterator[Delta], meta: dict) 
             return error_response(APIError(499, "client disconnected", code="client_disconnected"))
     task.result()
     last = deltas[-1]
-    if last.finish_reason == "error":
-        raise APIError(500, "generation failed", type="server_error")
+    if last.finish_reason in ENDED_BY_SERVER:
+        raise ENDED_BY_SERVER[last.finish_reason]
     text = "".join(d.text for d in deltas)
     choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
     if meta["kind"] == "chat.completion":
@@ -229,9 +247,8 @@ async def _sse(stream: AsyncIterator[Delta], meta: dict, include_usage: bool) ->
     try:
         role = chat
         async for delta in stream:
-            if delta.finish_reason == "error":
-                yield _event({"error": {"message": "generation failed", "type": "server_error", "param": None,
-                                        "code": None}})  # fmt: skip
+            if delta.finish_reason in ENDED_BY_SERVER:
+                yield _event(ENDED_BY_SERVER[delta.finish_reason].body())
                 break
             if delta.text or role or delta.finish_reason:
                 yield chunk(delta.text, delta.finish_reason, role)
