@@ -13,6 +13,7 @@ from faults import FaultySession
 from live import make_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.api.responses import ChatCompletion, Completion, ErrorResponse, Model, ModelList
 from service.metrics import batch_bucket
 from speculative.chat import user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
@@ -386,3 +387,23 @@ def test_an_assistant_message_may_have_null_content(client):
     ]
     reply = client.chat.completions.create(model="target", messages=messages, max_tokens=3)
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_openapi_documents_the_responses_actually_sent(server):
+    """No 422 anywhere (invalid requests are 400 with the OpenAI error body);
+    every inference route documents its errors; real bodies fit the documented
+    models."""
+    url = server[0]
+    spec = httpx2.get(url + "/openapi.json").json()
+    assert "422" not in json.dumps(spec) and "HTTPValidationError" not in json.dumps(spec)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        documented = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "429", "503"} <= set(documented)
+        assert documented["429"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    chat = {"model": "target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+    ChatCompletion.model_validate(httpx2.post(url + "/v1/chat/completions", json=chat, timeout=30).json())
+    text = {"model": "target", "prompt": "x", "max_tokens": 3}
+    Completion.model_validate(httpx2.post(url + "/v1/completions", json=text, timeout=30).json())
+    ModelList.model_validate(httpx2.get(url + "/v1/models").json())
+    Model.model_validate(httpx2.get(url + "/v1/models/target").json())
+    ErrorResponse.model_validate(httpx2.post(url + "/v1/completions", json={**text, "n": 2}, timeout=30).json())

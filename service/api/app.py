@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.errors import APIError, error_response, from_engine_error, install_handlers
+from service.api.responses import ChatCompletion, Completion, Model, ModelList, Policy, error_responses, install_openapi
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
 from service.config import ServeSettings
 from service.controller.loop import ControllerLoop
@@ -58,11 +59,14 @@ def build_app(
     app.state.ready = False
     app.state.stop_ids = stop_token_ids(tokenizer)
     install_handlers(app)
+    install_openapi(app)
     authorized = Depends(_check_api_key)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    app.head("/health", include_in_schema=False)(health)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -76,12 +80,14 @@ def build_app(
 
     admin = Depends(_check_admin_key)
 
-    @app.get("/admin/policy", dependencies=[admin])
+    @app.get("/admin/policy", dependencies=[admin], response_model=Policy, response_model_exclude_none=True,
+             responses=error_responses(401, 403))  # fmt: skip
     async def get_policy() -> dict:
         policy = engine.policy
         return policy.to_dict()
 
-    @app.post("/admin/policy", dependencies=[admin])
+    @app.post("/admin/policy", dependencies=[admin], response_model=Policy, response_model_exclude_none=True,
+              responses=error_responses(400, 401, 403, 409))  # fmt: skip
     async def set_policy(body: PolicyBody) -> dict:
         if controller is not None:  # it would replace the pushed policy within seconds
             raise APIError(409, "the in-process controller sets this replica's policy (dflash-serve --controller); "
@@ -95,16 +101,20 @@ def build_app(
 
     card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve"}
 
-    @app.get("/v1/models", dependencies=[authorized])
+    @app.get("/v1/models", dependencies=[authorized], response_model=ModelList, responses=error_responses(401))
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[authorized])
+    @app.get("/v1/models/{model_id:path}", dependencies=[authorized], response_model=Model,
+             responses=error_responses(401, 404))  # fmt: skip
     async def model(model_id: str) -> dict:
         _check_model(model_id, settings)
         return card
 
-    @app.post("/v1/chat/completions", dependencies=[authorized])
+    inference_errors = error_responses(400, 401, 404, 429, 500, 503)
+
+    @app.post("/v1/chat/completions", dependencies=[authorized],
+              responses={200: {"model": ChatCompletion}, **inference_errors})  # fmt: skip
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -112,7 +122,8 @@ def build_app(
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
 
-    @app.post("/v1/completions", dependencies=[authorized])
+    @app.post("/v1/completions", dependencies=[authorized],
+              responses={200: {"model": Completion}, **inference_errors})  # fmt: skip
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
         prompt = body.prompt
