@@ -613,7 +613,7 @@ def test_loop_decides_often_while_a_trial_runs():
     loop.state.exploring["1"] = Trial(block=2, back_to=16, since=time.monotonic(), samples_at_start=0.0, **UNPAIRED)
     loop.start()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a bound, not a speed: 5 ticks take 0.1 s on a quiet machine
         while len(ticks) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
