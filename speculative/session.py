@@ -124,7 +124,7 @@ class DecodeSession:
         *,
         proposal: Proposal = "argmax",
         compact_slack: int = 64,
-        in_place_cache: bool = False,
+        in_place_cache: bool = True,
     ) -> None:
         if proposal not in ("argmax", "sample"):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
@@ -133,8 +133,8 @@ class DecodeSession:
         self.feature_layers = draft.config.target_layer_ids if draft is not None else ()
         self.target, self.draft = target, draft
         self.proposal, self.compact_slack = proposal, compact_slack
-        # Appending in place made batch-48 CPU decode steps 5x cheaper in regeneration; the
-        # serving engines keep concatenating until the live controller test passes with it.
+        # Appending in place made batch-48 CPU decode steps 5x cheaper than transformers'
+        # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
         self.batch: RaggedBatch | None = None
         self.rows = _Rows([], torch.empty(0, dtype=torch.long, device=target.device), [], [],

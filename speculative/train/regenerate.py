@@ -94,7 +94,7 @@ def regenerate_stream(
     of ``config.block_size`` (the draft's own when 0); the responses are the
     target's all the same (greedy: identical; sampled: the same distribution)."""
     block = (config.block_size or draft.block_size) if draft is not None else 1
-    session = DecodeSession(target, draft if block > 1 else None, in_place_cache=True)
+    session = DecodeSession(target, draft if block > 1 else None)
     decode = DecodeConfig(block_size=block, max_new_tokens=config.max_new_tokens, stop_token_ids=stop_token_ids)
     # Shortest first within windows of a few batches: little prefill padding, yet a
     # run stopped early has answered the prompt mix it was given, not just its short prompts.
