@@ -9,10 +9,11 @@ ragged caches. ``b = 1`` is plain autoregressive decoding.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from speculative.context import ContextLengthExceeded, check_context
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import GREEDY, SamplingParams
 from speculative.session import DecodeSession, RoundStats, check_pair
@@ -64,8 +65,8 @@ class GenerationResult:
     @property
     def mean_acceptance_length(self) -> float:
         """Committed tokens per row-round over the whole run (tau)."""
-        total = sum(sum(r.accepted) for r in self.rounds)
-        count = sum(len(r.accepted) for r in self.rounds)
+        total = sum(sum(r.committed) for r in self.rounds)
+        count = sum(len(r.committed) for r in self.rounds)
         return total / count if count else 0.0
 
 
@@ -126,11 +127,10 @@ def _check_inputs(
         if config.block_size > draft.block_size:
             raise ValueError(f"block_size {config.block_size} exceeds the draft's trained block {draft.block_size}")
     for i, prompt in enumerate(prompts):
-        if len(prompt) + config.max_new_tokens > target.context_length:
-            raise ValueError(
-                f"prompt {i}: {len(prompt)} prompt tokens + {config.max_new_tokens} new tokens exceed "
-                f"the target's context length {target.context_length}"
-            )
+        try:
+            check_context(target.context_length, len(prompt), config.max_new_tokens, config.block_size)
+        except ContextLengthExceeded as exc:
+            raise ContextLengthExceeded(f"prompt {i}: {exc}") from exc
 
 
 def emit_tokens(
@@ -145,14 +145,20 @@ def emit_tokens(
     stop = set(config.stop_token_ids)
     finished = []
     for row, tokens in new.items():
-        out = outputs[row]
-        for token in tokens:
-            out.append(token)
-            if token in stop:
-                reasons[row] = "stop"
-                break
-            if len(out) >= config.max_new_tokens:
-                break
-        if reasons[row] == "stop" or len(out) >= config.max_new_tokens:
+        kept, finish = cut_at_stop(tokens, config.max_new_tokens - len(outputs[row]), stop)
+        outputs[row].extend(kept)
+        if finish == "stop":
+            reasons[row] = "stop"
+        if finish is not None:
             finished.append(row)
     return finished
+
+
+def cut_at_stop(tokens: list[int], room: int, stop_token_ids: Collection[int]) -> tuple[list[int], str | None]:
+    """What a row keeps of a round's tokens: up to and including the first stop
+    token ("stop"), else at most ``room`` tokens ("length" once they fill it)."""
+    for i, token in enumerate(tokens[:room]):
+        if token in stop_token_ids:
+            return tokens[: i + 1], "stop"
+    kept = tokens[:room]
+    return kept, "length" if len(kept) == room else None

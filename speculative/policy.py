@@ -103,3 +103,10 @@ class Turns:
         i = policy.entry(batch_size)
         self.taken[i] += 1
         return policy.block_size(batch_size, self.taken[i] - 1)
+
+
+def check_policy(policy: BlockPolicy, max_block_size: int) -> None:
+    """A policy must fit the draft: ValueError naming both (the API answers 400,
+    SGLang's RPC caller sees it)."""
+    if policy.largest > max_block_size:
+        raise ValueError(f"policy block sizes {policy.to_dict()} exceed the draft's block {max_block_size}")

@@ -41,14 +41,14 @@ Proposal = Literal["argmax", "sample"]
 class RoundStats:
     """One propose/verify round over the batch.
 
-    accepted: committed tokens per row this round (accepted drafts + 1), i.e. tau.
+    committed: tokens each row committed this round (accepted drafts + 1), i.e. tau.
     accepted_per_position[k]: rows whose draft at block slot k+1 was accepted.
     verified_per_position[k]: rows that had a draft at block slot k+1 verified.
     """
 
     batch_size: int
     block_size: int
-    accepted: list[int]
+    committed: list[int]
     accepted_per_position: list[int]
     verified_per_position: list[int]
     draft_seconds: float
@@ -57,7 +57,7 @@ class RoundStats:
     @property
     def mean_acceptance_length(self) -> float:
         """Mean tau over the rows of this round."""
-        return sum(self.accepted) / len(self.accepted)
+        return sum(self.committed) / len(self.committed)
 
 
 def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
@@ -340,7 +340,7 @@ def _round_stats(num_accepted: list[int], b: int, draft_seconds: float, verify_s
     return RoundStats(
         batch_size=len(num_accepted),
         block_size=b,
-        accepted=[n + 1 for n in num_accepted],
+        committed=[n + 1 for n in num_accepted],
         accepted_per_position=[sum(n > k for n in num_accepted) for k in range(b - 1)],
         verified_per_position=[len(num_accepted)] * (b - 1),
         draft_seconds=draft_seconds,

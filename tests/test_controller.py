@@ -685,7 +685,7 @@ dflash_verified_tokens_per_position_total{position="1"} 100
 def test_observation_from_metric_objects_equals_the_rendered_text():
     metrics = Metrics()
     for batch, b, accepted in ((1, 4, [2, 1, 0]), (3, 8, [3, 2, 2, 1, 0, 0, 0]), (40, 1, [])):
-        stats = RoundStats(batch_size=batch, block_size=b, accepted=[1] * batch, accepted_per_position=accepted,
+        stats = RoundStats(batch_size=batch, block_size=b, committed=[1] * batch, accepted_per_position=accepted,
                            verified_per_position=[batch] * (b - 1), draft_seconds=0, verify_seconds=0)  # fmt: skip
         metrics.observe_steps(stats, 0.5, 7)
     direct = observation_from_collectors(metrics.controller_inputs(), now=3.0)

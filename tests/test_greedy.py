@@ -54,7 +54,7 @@ def test_ragged_batches_match_target_greedy(pair_and_references, block_size, com
     for start in range(0, len(PROMPTS), 6):
         result = spec_generate(target, draft, PROMPTS[start : start + 6], config)
         assert result.tokens == references[start : start + 6]
-        accepted = {n for r in result.rounds for n in r.accepted}
+        accepted = {n for r in result.rounds for n in r.committed}
         assert len(accepted) > 1 or block_size == 2
 
 
@@ -95,7 +95,7 @@ def test_plain_decoding_needs_no_draft(qwen_pair):
     target, _ = qwen_pair
     result = spec_generate(target, None, PROMPTS[:4], DecodeConfig(block_size=1, max_new_tokens=16))
     assert result.tokens == [reference_greedy(target, p, 16) for p in PROMPTS[:4]]
-    assert all(r.accepted == [1] * r.batch_size for r in result.rounds)
+    assert all(r.committed == [1] * r.batch_size for r in result.rounds)
 
 
 def test_stop_tokens_and_length_limits(qwen_pair):
@@ -121,11 +121,11 @@ def test_round_statistics_are_consistent(qwen_pair):
     target, draft = qwen_pair
     result = spec_generate(target, draft, PROMPTS[:5], DecodeConfig(block_size=8, max_new_tokens=NEW_TOKENS))
     for r in result.rounds:
-        assert all(1 <= a <= 8 for a in r.accepted)
+        assert all(1 <= a <= 8 for a in r.committed)
         assert len(r.accepted_per_position) == len(r.verified_per_position) == 7
         # Acceptance is a prefix: position k+1 is accepted only if position k was.
         assert all(x >= y for x, y in zip(r.accepted_per_position, r.accepted_per_position[1:], strict=False))
-        assert sum(r.accepted_per_position) == sum(r.accepted) - r.batch_size
+        assert sum(r.accepted_per_position) == sum(r.committed) - r.batch_size
         assert r.draft_seconds >= 0 and r.verify_seconds > 0
     assert 1.0 <= result.mean_acceptance_length <= 8.0
 
@@ -143,7 +143,7 @@ def test_serving_accepts_what_the_drafts_packed_predictions_allow(qwen_pair, red
     accepted_rounds = 0
     for prompt in random_prompts(8, seed=5, min_len=8, max_len=8):  # the distribution the draft was distilled on
         result = spec_generate(target, draft, [prompt], DecodeConfig(block_size=b, max_new_tokens=NEW_TOKENS))
-        served = [r.accepted[0] - 1 for r in result.rounds]  # drafts accepted (committed minus the bonus)
+        served = [r.committed[0] - 1 for r in result.rounds]  # drafts accepted (committed minus the bonus)
         simulated = simulated_greedy_rounds(draft, target, prompt + result.tokens[0], len(prompt))
         # The last round may accept drafts past max_new_tokens that the output then cuts.
         assert served[:-1] == simulated[: len(served) - 1]

@@ -53,7 +53,7 @@ def test_block_size_one_rounds_keep_the_draft_context(qwen_pair):
     assert fresh.add(["a"], [prompt + tokens[:-1]], [SamplingParams()])["a"] == tokens[-1]
     for _ in range(6):
         (mixed_stats, mixed_out), (fresh_stats, fresh_out) = mixed.step(16), fresh.step(16)
-        assert mixed_out == fresh_out and mixed_stats.accepted == fresh_stats.accepted
+        assert mixed_out == fresh_out and mixed_stats.committed == fresh_stats.committed
         tokens += mixed_out["a"]
     assert tokens == reference_greedy(target, prompt, len(tokens))
     assert mixed.batch.draft_cache.layers[0].keys.shape[2] == mixed.batch.num_slots

@@ -19,7 +19,7 @@ from service.controller.source import observation_from_text
 from service.engine import BlockPolicy, GenerateRequest, InvalidRequestError, QueueFullError
 from service.engine.sglang import SGLangEngine, finish_reason, sampling_params, server_args, spec_stats
 from service.metrics import Metrics
-from speculative.policy import Turns
+from speculative.policy import Turns, check_policy
 from speculative.sampling import SamplingParams
 from speculative.sglang import plugin
 from speculative.sglang.logic import (
@@ -30,7 +30,6 @@ from speculative.sglang.logic import (
     BlockStateCache,
     StepCell,
     StepCounters,
-    check_policy,
     graph_block_sizes,
     resolve_algorithm,
     smallest_block_size,

@@ -26,6 +26,7 @@ from service.controller.loop import ControllerLoop
 from service.engine import BlockPolicy, Delta, Engine, EngineError, GenerateRequest
 from service.metrics import Metrics
 from speculative.chat import chat_ids, stop_token_ids
+from speculative.context import max_new_tokens_within
 from speculative.sampling import SamplingParams
 
 
@@ -149,7 +150,7 @@ async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], 
                  kind: str, prefix: str):  # fmt: skip
     app = request.app
     engine: Engine = app.state.engine
-    limit = engine.context_length - len(prompt_ids) - engine.max_block_size
+    limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
     generate = GenerateRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=tuple(prompt_ids),

@@ -48,7 +48,7 @@ def from_engine_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), type="service_unavailable", code="draining", headers={"Retry-After": "5"})
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), code="context_length_exceeded" if "context" in str(exc) else None)
+        return APIError(400, str(exc), code=exc.code, param=exc.param)
     return APIError(500, "internal error", type="server_error")
 
 

@@ -35,8 +35,10 @@ from service.engine.types import (
 )
 from service.metrics import Metrics
 from speculative.checkpoint import load_draft
+from speculative.context import ContextLengthExceeded, check_context
+from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
-from speculative.policy import Turns
+from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
 from speculative.session import DecodeSession, RoundStats
 from speculative.target import TargetModel
@@ -93,7 +95,7 @@ class NativeEngine:
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.on_step = on_step
         self._policy = config.policy or BlockPolicy.fixed(self.session.max_block_size)
-        self._check_policy(self._policy)
+        check_policy(self._policy, self.session.max_block_size)
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: dict[str, _Job] = {}
         self._prefilling = 0  # admitted, not yet running: they count against the queue limit
@@ -141,7 +143,7 @@ class NativeEngine:
 
     def set_policy(self, policy: BlockPolicy) -> None:
         """Use ``policy`` from the next step on."""
-        self._check_policy(policy)
+        check_policy(policy, self.session.max_block_size)
         with self._lock:
             self._policy = policy
 
@@ -160,10 +162,6 @@ class NativeEngine:
     def context_length(self) -> int:
         """The target's context length."""
         return self.target.context_length
-
-    def _check_policy(self, policy: BlockPolicy) -> None:
-        if policy.largest > self.session.max_block_size:
-            raise ValueError(f"policy block sizes {policy.to_dict()} exceed {self.session.max_block_size}")
 
     # ----------------------------------------------------------------- requests
 
@@ -200,20 +198,17 @@ class NativeEngine:
             self._lock.notify_all()
 
     def _validate(self, request: GenerateRequest) -> None:
-        limit = self.target.context_length
-        need = len(request.prompt_ids) + request.max_tokens + self.session.max_block_size
         if not request.prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         if request.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be at least 1")
-        if need > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has "
-                f"{len(request.prompt_ids)} tokens and {request.max_tokens} were requested for the completion"
-            )
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        try:
+            check_context(self.context_length, len(request.prompt_ids), request.max_tokens, self.max_block_size)
+        except ContextLengthExceeded as exc:
+            raise InvalidRequestError.context(exc) from exc
         vocab = self.target.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
     # ---------------------------------------------------------------- scheduler
 
@@ -288,22 +283,14 @@ class NativeEngine:
         finish rows at a stop token, stop string or the length limit; free
         finished rows."""
         done = []
-        accepted = dict(zip(emitted, stats.accepted, strict=True)) if stats else {}
+        committed = dict(zip(emitted, stats.committed, strict=True)) if stats else {}
         for key, tokens in emitted.items():
             job = self._running[key]
             if stats is not None and stats.block_size > 1:
                 job.spec = SpecStats(
-                    job.spec.rounds + 1, job.spec.drafted + stats.block_size - 1, job.spec.accepted + accepted[key] - 1
+                    job.spec.rounds + 1, job.spec.drafted + stats.block_size - 1, job.spec.accepted + committed[key] - 1
                 )
-            finish, kept = None, []
-            for token in tokens:
-                kept.append(token)
-                if token in job.request.stop_token_ids:
-                    finish = "stop"
-                    break
-                if job.generated + len(kept) >= job.request.max_tokens:
-                    finish = "length"
-                    break
+            kept, finish = cut_at_stop(tokens, job.request.max_tokens - job.generated, job.request.stop_token_ids)
             job.generated += len(kept)
             text = job.text.push(kept, final=finish is not None)
             if job.text.stopped:

@@ -37,8 +37,10 @@ from service.engine.types import (
 )
 from service.metrics import Metrics
 from speculative.config import DFlashConfig
+from speculative.context import ContextLengthExceeded, check_context
+from speculative.policy import check_policy
 from speculative.session import RoundStats
-from speculative.sglang.logic import ADAPTIVE_ALGORITHM, StepCell, StepCounters, check_policy
+from speculative.sglang.logic import ADAPTIVE_ALGORITHM, StepCell, StepCounters
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ def step_stats(batch_size: int, block_size: int, cell: StepCell) -> RoundStats:
     return RoundStats(
         batch_size=batch_size,
         block_size=block_size,
-        accepted=[],
+        committed=[],
         accepted_per_position=list(cell.accepted_per_position),
         verified_per_position=[cell.steps * batch_size] * (block_size - 1),
         draft_seconds=0.0,
@@ -244,11 +246,10 @@ class SGLangEngine:
             raise EngineStoppedError("the server is shutting down")
         if not request.prompt_ids or request.max_tokens < 1:
             raise InvalidRequestError("the prompt is empty or max_tokens < 1")
-        if len(request.prompt_ids) + request.max_tokens + self._max_block_size > self._context_length:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self._context_length} tokens; the prompt has "
-                f"{len(request.prompt_ids)} tokens and {request.max_tokens} were requested for the completion"
-            )
+        try:
+            check_context(self._context_length, len(request.prompt_ids), request.max_tokens, self._max_block_size)
+        except ContextLengthExceeded as exc:
+            raise InvalidRequestError.context(exc) from exc
         if len(self._in_flight) >= self.capacity:
             raise QueueFullError(f"{len(self._in_flight)} requests in flight")
         self._in_flight.add(request.request_id)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from speculative.context import ContextLengthExceeded
 from speculative.policy import BlockPolicy as BlockPolicy  # re-exported for the engines
 from speculative.sampling import SamplingParams
 
@@ -29,7 +30,17 @@ class EngineStoppedError(EngineError):
 
 
 class InvalidRequestError(EngineError):
-    """A request the engine cannot serve as asked (e.g. too long): 400."""
+    """A request the engine cannot serve as asked (e.g. too long): 400, with
+    the OpenAI error ``code`` and the ``param`` at fault when known."""
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+    @classmethod
+    def context(cls, exc: ContextLengthExceeded) -> InvalidRequestError:
+        """The API's form of a context-length refusal."""
+        return cls(str(exc), code="context_length_exceeded", param="max_tokens")
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,6 @@ def resolve_algorithm(name: str | None) -> tuple[str | None, bool]:
     return name, False
 
 
-def check_policy(policy: BlockPolicy, trained_block_size: int) -> None:
-    """A pushed policy must fit the drafter: ValueError (the RPC caller sees it)."""
-    if policy.largest > trained_block_size:
-        raise ValueError(f"policy block sizes {policy.to_dict()} exceed the draft's block {trained_block_size}")
-
-
 def step_block_size(
     policy: BlockPolicy,
     batch_size: int,

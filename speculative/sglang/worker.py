@@ -56,14 +56,13 @@ from sglang.srt.speculative.draft_worker_common import (
 )
 from sglang.srt.speculative.spec_utils import draft_pp_context, draft_tp_context
 
-from speculative.policy import BlockPolicy, Turns
+from speculative.policy import BlockPolicy, Turns, check_policy
 from speculative.sglang.logic import (
     GRAPH_BLOCKS_ENV,
     PLAIN_STEPS_ENV,
     BlockRuntime,
     BlockStateCache,
     StepCounters,
-    check_policy,
     graph_block_sizes,
     smallest_block_size,
     step_block_size,
