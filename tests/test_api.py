@@ -407,3 +407,22 @@ def test_openapi_documents_the_responses_actually_sent(server):
     ModelList.model_validate(httpx2.get(url + "/v1/models").json())
     Model.model_validate(httpx2.get(url + "/v1/models/target").json())
     ErrorResponse.model_validate(httpx2.post(url + "/v1/completions", json={**text, "n": 2}, timeout=30).json())
+
+
+def test_ignore_eos_reaches_the_engine_as_no_stop_tokens(model):
+    """(The tiny target never ends its text, so the engine's view is checked.)"""
+    live, engine = make_server(model)
+    seen = []
+    generate = engine.generate
+
+    def recording(request):
+        seen.append(request.stop_token_ids)
+        return generate(request)
+
+    engine.generate = recording
+    with live as url:
+        body = {"model": "target", "prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0}
+        for ignore_eos in (False, True):
+            reply = httpx2.post(url + "/v1/completions", json={**body, "ignore_eos": ignore_eos}, timeout=30).json()
+            assert reply["usage"]["completion_tokens"] == 40
+    assert seen[0] == live.server.config.app.state.stop_ids != () and seen[1] == ()

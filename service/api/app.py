@@ -164,7 +164,7 @@ async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], 
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
         ),
-        stop_token_ids=app.state.stop_ids,
+        stop_token_ids=() if body.ignore_eos else app.state.stop_ids,
         stop=tuple(body.stop or ()),
     )
     started = time.perf_counter()

@@ -87,6 +87,7 @@ class SamplingFields(BaseModel):
         le=REPETITION_PENALTY_RANGE[1],
         description="extension (vLLM): 1 disables",
     )
+    ignore_eos: bool = Field(default=False, description="extension (vLLM, SGLang): run to max_tokens past end of text")
     user: str | None = None
 
     @field_validator("temperature")
