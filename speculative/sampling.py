@@ -30,7 +30,10 @@ class SamplingParams:
     Penalties (``speculative.penalties``): ``presence_penalty`` and
     ``frequency_penalty`` in [-2, 2] (0: off), ``repetition_penalty`` in
     ``REPETITION_PENALTY_RANGE`` (1: off). The bounds are what the engine
-    computes safely; the API schema states the same ones."""
+    computes safely; the API schema states the same ones. ``min_tokens``: the
+    row's first ``min_tokens`` generated tokens are never one of
+    ``suppressed`` (its stop tokens), in the target's and the draft's
+    distribution alike, so speculation stays exact."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -39,8 +42,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    suppressed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
             raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -129,3 +136,18 @@ def sample_positions(probs: torch.Tensor, generators: Sequence[torch.Generator])
     return torch.stack(
         [torch.multinomial(p, 1, generator=g).squeeze(-1) for p, g in zip(probs, generators, strict=True)]
     )
+
+
+def suppress_early(logits: torch.Tensor, params: Sequence[SamplingParams], generated: Sequence[int]) -> torch.Tensor:
+    """Logits [B, n, V] with each row's ``suppressed`` tokens at -inf where
+    position j would be generated token ``generated[row] + j`` (0-based) and
+    that is still below the row's ``min_tokens``."""
+    pairs = enumerate(zip(params, generated, strict=True))
+    rows = [i for i, (p, done) in pairs if p.suppressed and done < p.min_tokens]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        early = max(0, min(logits.shape[1], params[i].min_tokens - generated[i]))
+        logits[i, :early, list(params[i].suppressed)] = float("-inf")
+    return logits

@@ -30,7 +30,14 @@ import torch
 from speculative.batch import RaggedBatch, append_draft_context, draft_context
 from speculative.draft import DFlashDraftModel
 from speculative.penalties import TokenHistory, penalize
-from speculative.sampling import SamplingParams, make_generators, probabilities, sample_positions, sample_rows
+from speculative.sampling import (
+    SamplingParams,
+    make_generators,
+    probabilities,
+    sample_positions,
+    sample_rows,
+    suppress_early,
+)
 from speculative.target import TargetModel
 from speculative.verify import Verdict, verify_greedy, verify_sampled
 
@@ -88,6 +95,7 @@ class _Rows:
     params: list[SamplingParams]
     generators: list[torch.Generator]
     history: TokenHistory
+    generated: list[int]  # tokens each row has emitted (what min_tokens counts)
 
     def select(self, index: list[int]) -> None:
         rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
@@ -95,6 +103,7 @@ class _Rows:
         self.anchors = self.anchors[rows]
         self.params = [self.params[i] for i in index]
         self.generators = [self.generators[i] for i in index]
+        self.generated = [self.generated[i] for i in index]
         self.history.select(rows)
 
     def subset(self, index: list[int]) -> _Rows:
@@ -102,14 +111,17 @@ class _Rows:
         rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
         history = copy.copy(self.history)
         history.select(rows)  # select assigns new tensors: the original keeps its own
-        keys, params, generators = ([items[i] for i in index] for items in (self.keys, self.params, self.generators))
-        return _Rows(keys, self.anchors[rows], params, generators, history)
+        keys, params, generators, generated = (
+            [items[i] for i in index] for items in (self.keys, self.params, self.generators, self.generated)
+        )
+        return _Rows(keys, self.anchors[rows], params, generators, history, generated)
 
     def extend(self, other: _Rows) -> None:
         self.keys += other.keys
         self.anchors = torch.cat([self.anchors, other.anchors])
         self.params += other.params
         self.generators += other.generators
+        self.generated += other.generated
         self.history.extend(other.history)
 
 
@@ -138,7 +150,7 @@ class DecodeSession:
         self.in_place_cache = in_place_cache
         self.batch: RaggedBatch | None = None
         self.rows = _Rows([], torch.empty(0, dtype=torch.long, device=target.device), [], [],
-                          TokenHistory.from_prompts([], target.vocab_size, target.device))  # fmt: skip
+                          TokenHistory.from_prompts([], target.vocab_size, target.device), [])  # fmt: skip
         self.prefill_seconds = 0.0
 
     def __len__(self) -> int:
@@ -170,10 +182,11 @@ class DecodeSession:
         # Only penalised rows keep a token history (the others never read it).
         tracked = [p if s.penalized else () for p, s in zip(prompts, sampling, strict=True)]
         history = TokenHistory.from_prompts(tracked, vocab, self.target.device)
-        last_logits = penalize(last_logits[:, None], sampling, history)[:, 0]
+        last_logits = penalize(last_logits[:, None], sampling, history)
+        last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
         first = _sample_first(last_logits, list(sampling), generators)
         history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
-        rows = _Rows(list(keys), first, list(sampling), generators, history)
+        rows = _Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys))
         if self.batch is None:
             self.batch = batch
         else:
@@ -267,6 +280,7 @@ class DecodeSession:
         self.rows.anchors = verdict.next_token
         params = self.rows.params
         self.rows.history.add([t if p.penalized else () for t, p in zip(emitted.values(), params, strict=True)])
+        self.rows.generated = [n + len(t) for n, t in zip(self.rows.generated, emitted.values(), strict=True)]
         return _round_stats(num_accepted, block_size, t1 - t0, t2 - t1), emitted
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
@@ -307,6 +321,7 @@ class DecodeSession:
         # Penalties use the committed history only, so every slot is still drafted in parallel.
         # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
         logits = penalize(draft.draft_logits(hidden[:, 1:], self.target), self.rows.params, self.rows.history)
+        logits = suppress_early(logits, self.rows.params, self.rows.generated)
         if self.proposal == "argmax":
             return logits.argmax(dim=-1), None
         q = probabilities(logits, self.rows.params)
@@ -316,6 +331,7 @@ class DecodeSession:
         params = self.rows.params
         # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
         target_logits = penalize(target_logits, params, self.rows.history, drafts)
+        target_logits = suppress_early(target_logits, params, self.rows.generated)
         if all(p.greedy for p in params):
             return verify_greedy(drafts, target_logits)
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)

@@ -120,6 +120,7 @@ def test_models_health_ready(server, client):
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+        (dict(max_tokens=3, extra_body={"min_tokens": 4}), "min_tokens"),
     ],
 )
 def test_bad_fields_are_400_with_openai_shape(client, kwargs, param):

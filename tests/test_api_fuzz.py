@@ -37,7 +37,7 @@ def test_no_server_errors(live_url):
         check()
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_tokens",
                    "repetition_penalty")  # fmt: skip
 INNOCENTS = (
     {"model": "target", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0},

@@ -229,3 +229,25 @@ def test_seeded_rows_are_reproducible_and_greedy_rows_stay_exact(qwen_pair):
     assert first.tokens == second.tokens
     for i in (0, 3):
         assert first.tokens[i] == reference_greedy(target, prompts[i], 20)
+
+
+def test_min_tokens_keeps_suppressed_tokens_out_exactly(small_vocab):
+    """The first ``min_tokens`` tokens never are a suppressed one, greedy
+    speculation equals plain decoding under the same rule, and sampled
+    speculation matches the target's distribution with those tokens masked."""
+    target, drafts = small_vocab
+    plain = spec_generate(target, None, [PROMPT], DecodeConfig(block_size=1, max_new_tokens=6)).tokens[0]
+    banned, minimum = plain[0], 2  # greedy decoding opens with it: the rule must change the output
+    rule = SamplingParams(min_tokens=minimum, suppressed=(banned,))
+    reference = spec_generate(target, None, [PROMPT], DecodeConfig(1, 6), rule).tokens[0]
+    assert banned not in reference[:minimum] and reference != plain
+    assert spec_generate(target, drafts["good"], [PROMPT], DecodeConfig(4, 6), rule).tokens[0] == reference
+
+    def mask(logits, prefix):
+        return logits.masked_fill(torch.arange(V) == banned, float("-inf")) if len(prefix) < minimum else logits
+
+    exact = exact_joint(target, SamplingParams(1.0), transform=mask)
+    rows = [SamplingParams(1.0, seed=i, min_tokens=minimum, suppressed=(banned,)) for i in range(ROWS)]
+    result = spec_generate(target, drafts["good"], [PROMPT] * ROWS, DecodeConfig(4, K, proposal="sample"), rows)
+    codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
+    assert chi_square_pvalue(torch.bincount(codes, minlength=V**K), exact) > ALPHA

@@ -256,7 +256,7 @@ def test_server_and_sampling_arguments():
     assert sampling_params(request) == {
         "max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [0],
         "stop": ["\n\n"], "skip_special_tokens": True, "sampling_seed": 3, "presence_penalty": 0.0,
-        "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
     }  # fmt: skip
 
 

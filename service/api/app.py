@@ -151,10 +151,14 @@ async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], 
     app = request.app
     engine: Engine = app.state.engine
     limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
+    max_tokens = max_tokens if max_tokens is not None else max(1, limit)
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+    stop_ids = () if body.ignore_eos else app.state.stop_ids
     generate = GenerateRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_ids=tuple(prompt_ids),
-        max_tokens=max_tokens if max_tokens is not None else max(1, limit),
+        max_tokens=max_tokens,
         sampling=SamplingParams(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -163,8 +167,10 @@ async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], 
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens,
+            suppressed=stop_ids,
         ),
-        stop_token_ids=() if body.ignore_eos else app.state.stop_ids,
+        stop_token_ids=stop_ids,
         stop=tuple(body.stop or ()),
     )
     started = time.perf_counter()

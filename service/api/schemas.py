@@ -88,6 +88,7 @@ class SamplingFields(BaseModel):
         description="extension (vLLM): 1 disables",
     )
     ignore_eos: bool = Field(default=False, description="extension (vLLM, SGLang): run to max_tokens past end of text")
+    min_tokens: int = Field(default=0, ge=0, description="extension (vLLM, SGLang): no end of text before this many")
     user: str | None = None
 
     @field_validator("temperature")

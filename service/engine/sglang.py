@@ -81,6 +81,7 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
         "repetition_penalty": s.repetition_penalty,
+        "min_new_tokens": s.min_tokens,
     }
     if s.seed is not None:
         params["sampling_seed"] = s.seed
