@@ -24,6 +24,7 @@ from speculative.train.cli import lm_card, main
 from speculative.train.corpus import Corpus, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, grow_from, load_records, train_draft
 from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
+from speculative.train.loop import ResumableRun
 from speculative.train.model_card import parameter_count
 from speculative.train.objective import (
     block_logits,
@@ -418,3 +419,19 @@ def test_growing_carries_the_draft_vocabulary():
     reduced.set_draft_vocab(torch.arange(5))
     grow_from(reduced, full_source)  # a full-vocabulary source: the draft keeps its own map
     assert reduced.draft_vocab_ids.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_each_rerun_gets_the_whole_time_limit(tmp_path):
+    """The limit is per run of the command: a checkpoint that already holds an
+    hour of training does not stop the next 50-minute chunk at its first step."""
+    model = torch.nn.Linear(2, 2)
+
+    def run() -> ResumableRun:
+        return ResumableRun(tmp_path / "checkpoint.pt", {"model": model}, torch.Generator(), total_steps=10,
+                            checkpoint_every=1, time_limit_minutes=50, name="t")  # fmt: skip
+
+    first = run()
+    first.state["seconds"] = 3600.0
+    first.advance()
+    first.save()
+    assert not run().out_of_time()

@@ -49,7 +49,7 @@ class ResumableRun:
                 part.load_state_dict(saved[key])
             generator.set_state(saved["generator"])
             self.state = saved["state"]
-        self._started = time.monotonic()
+        self._started = self._session_started = time.monotonic()
         self.progress = tqdm(total=total_steps, initial=self.step, desc=name, unit="step", mininterval=10)
 
     @property
@@ -84,8 +84,10 @@ class ResumableRun:
         self.save()
 
     def out_of_time(self) -> bool:
-        """Past the time limit with steps left: checkpoint and say how to resume."""
-        if not self.time_limit_s or self.finished or self.elapsed() <= self.time_limit_s:
+        """Past this session's time limit with steps left: checkpoint and say how
+        to resume (the limit is per run of the command, so each rerun gets it anew)."""
+        spent = time.monotonic() - self._session_started
+        if not self.time_limit_s or self.finished or spent <= self.time_limit_s:
             return False
         self._bank_time()
         self.save()
