@@ -320,18 +320,22 @@ class DecodeSession:
         # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
         # Penalties use the committed history only, so every slot is still drafted in parallel.
         # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
-        logits = penalize(draft.draft_logits(hidden[:, 1:], self.target), self.rows.params, self.rows.history)
-        logits = suppress_early(logits, self.rows.params, self.rows.generated)
+        logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
         if self.proposal == "argmax":
             return logits.argmax(dim=-1), None
         q = probabilities(logits, self.rows.params)
         return sample_positions(q, self.rows.generators), q
 
+    def _adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' penalties and early stop suppression on block logits [B, n, V]:
+        the same for the draft's q and the target's p, which exactness needs."""
+        logits = penalize(logits, self.rows.params, self.rows.history, drafts)
+        return suppress_early(logits, self.rows.params, self.rows.generated)
+
     def _accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
         params = self.rows.params
         # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
-        target_logits = penalize(target_logits, params, self.rows.history, drafts)
-        target_logits = suppress_early(target_logits, params, self.rows.generated)
+        target_logits = self._adjusted(target_logits, drafts)
         if all(p.greedy for p in params):
             return verify_greedy(drafts, target_logits)
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)

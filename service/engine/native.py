@@ -32,10 +32,10 @@ from service.engine.types import (
     InvalidRequestError,
     QueueFullError,
     SpecStats,
+    check_fits,
 )
 from service.metrics import Metrics
 from speculative.checkpoint import load_draft
-from speculative.context import ContextLengthExceeded, check_context
 from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
 from speculative.policy import Turns, check_policy
@@ -202,10 +202,7 @@ class NativeEngine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if request.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
-        try:
-            check_context(self.context_length, len(request.prompt_ids), request.max_tokens, self.max_block_size)
-        except ContextLengthExceeded as exc:
-            raise InvalidRequestError.context(exc) from exc
+        check_fits(request, self.context_length, self.max_block_size)
         vocab = self.target.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")

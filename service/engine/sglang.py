@@ -34,10 +34,10 @@ from service.engine.types import (
     InvalidRequestError,
     QueueFullError,
     SpecStats,
+    check_fits,
 )
 from service.metrics import Metrics
 from speculative.config import DFlashConfig
-from speculative.context import ContextLengthExceeded, check_context
 from speculative.policy import check_policy
 from speculative.session import RoundStats
 from speculative.sglang.logic import ADAPTIVE_ALGORITHM, StepCell, StepCounters
@@ -247,10 +247,7 @@ class SGLangEngine:
             raise EngineStoppedError("the server is shutting down")
         if not request.prompt_ids or request.max_tokens < 1:
             raise InvalidRequestError("the prompt is empty or max_tokens < 1")
-        try:
-            check_context(self._context_length, len(request.prompt_ids), request.max_tokens, self._max_block_size)
-        except ContextLengthExceeded as exc:
-            raise InvalidRequestError.context(exc) from exc
+        check_fits(request, self._context_length, self._max_block_size)
         if len(self._in_flight) >= self.capacity:
             raise QueueFullError(f"{len(self._in_flight)} requests in flight")
         self._in_flight.add(request.request_id)

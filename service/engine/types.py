@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from speculative.context import ContextLengthExceeded
+from speculative.context import ContextLengthExceeded, check_context
 from speculative.policy import BlockPolicy as BlockPolicy  # re-exported for the engines
 from speculative.sampling import SamplingParams
 
@@ -37,10 +37,14 @@ class InvalidRequestError(EngineError):
         super().__init__(message)
         self.code, self.param = code, param
 
-    @classmethod
-    def context(cls, exc: ContextLengthExceeded) -> InvalidRequestError:
-        """The API's form of a context-length refusal."""
-        return cls(str(exc), code="context_length_exceeded", param="max_tokens")
+
+def check_fits(request: GenerateRequest, context_length: int, block_size: int) -> None:
+    """The context rule (``speculative.context``) as an engine refusal: 400
+    ``context_length_exceeded`` naming ``max_tokens``."""
+    try:
+        check_context(context_length, len(request.prompt_ids), request.max_tokens, block_size)
+    except ContextLengthExceeded as exc:
+        raise InvalidRequestError(str(exc), code="context_length_exceeded", param="max_tokens") from exc
 
 
 @dataclass(frozen=True)
