@@ -38,8 +38,11 @@ def legend(template: str, labels: dict[str, str]) -> str:
 
 
 def query_range(base_url: str, expr: str, start: float, end: float, step: float) -> list[dict]:
-    response = httpx2.get(base_url.rstrip("/") + "/api/v1/query_range",
-                          params={"query": expr, "start": start, "end": end, "step": step}, timeout=30)  # fmt: skip
+    response = httpx2.get(
+        base_url.rstrip("/") + "/api/v1/query_range",
+        params={"query": expr, "start": start, "end": end, "step": step},
+        timeout=30,
+    )
     response.raise_for_status()
     return response.json()["data"]["result"]
 

@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     if settings.profile_startup and isinstance(engine, NativeEngine) and engine.max_block_size > 1:
         # As many steps per cell as the controller needs to trust a step time.
         batch_sizes = sorted({b for b in (1, 2, 4, 8, 16) if b < settings.max_batch_size} | {settings.max_batch_size})
-        profile_step_times(engine.session, metrics.observe_step_time, batch_sizes=batch_sizes,
-                           steps=math.ceil(decision.min_steps))  # fmt: skip
+        profile_step_times(
+            engine.session, metrics.observe_step_time, batch_sizes=batch_sizes, steps=math.ceil(decision.min_steps)
+        )
     controller = in_process_controller(engine, metrics, settings, decision) if settings.controller else None
     app = build_app(settings, engine, tokenizer, metrics, controller)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5)

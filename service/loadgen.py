@@ -154,8 +154,7 @@ async def direct_level(
 
 async def sweep(args: argparse.Namespace) -> list[dict]:
     """Every concurrency level in turn; returns their summaries."""
-    client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0,
-                                timeout=600)  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
     model = args.model or (await client.models.list()).data[0].id
     texts = [p.text for p in humaneval()]
     summaries = []

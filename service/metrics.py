@@ -49,10 +49,12 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.verify_steps = Counter("dflash_verify_steps", "Engine steps (one draft + one target forward)",
-                                    ["block_size"], registry=r)  # fmt: skip
-        self.verify_rows = Counter("dflash_verify_rows", "Row-rounds verified (requests x steps)", ["block_size"],
-                                   registry=r)  # fmt: skip
+        self.verify_steps = Counter(
+            "dflash_verify_steps", "Engine steps (one draft + one target forward)", ["block_size"], registry=r
+        )
+        self.verify_rows = Counter(
+            "dflash_verify_rows", "Row-rounds verified (requests x steps)", ["block_size"], registry=r
+        )
         self.draft_tokens = Counter("dflash_draft_tokens", "Drafted tokens verified", ["block_size"], registry=r)
         self.accepted_tokens = Counter("dflash_accepted_tokens", "Drafted tokens accepted", ["block_size"], registry=r)
         self.accepted_per_position = Counter(
@@ -61,22 +63,30 @@ class Metrics:
         self.verified_per_position = Counter(
             "dflash_verified_tokens_per_position", "Drafts verified at block position", ["position"], registry=r
         )
-        self.step_seconds = Histogram("dflash_step_seconds", "Engine step time", ["block_size", "batch_bucket"],
-                                      buckets=STEP_BUCKETS, registry=r)  # fmt: skip
+        self.step_seconds = Histogram(
+            "dflash_step_seconds", "Engine step time", ["block_size", "batch_bucket"], buckets=STEP_BUCKETS, registry=r
+        )
         self.block_size = Gauge("dflash_block_size", "Block size of the latest step", registry=r)
         self.running = Gauge("dflash_running_requests", "Requests being decoded", registry=r)
         self.waiting = Gauge("dflash_waiting_requests", "Requests waiting for a slot", registry=r)
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens (as produced)", registry=r)
         self.requests = Counter("dflash_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.refused = Counter("dflash_refused_requests", "Requests refused before decoding, by reason",
-                               ["reason"], registry=r)  # fmt: skip
-        self.ttft = Histogram("dflash_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("dflash_inter_token_latency_seconds", "Time between a request's output deltas",
-                             buckets=STEP_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("dflash_e2e_request_latency_seconds", "Request latency",
-                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.refused = Counter(
+            "dflash_refused_requests", "Requests refused before decoding, by reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "dflash_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "dflash_inter_token_latency_seconds",
+            "Time between a request's output deltas",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dflash_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
 
     def controller_inputs(self) -> tuple[Histogram, Counter, Counter]:
         """The metrics the block-size controller reads (step time per cell,

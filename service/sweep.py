@@ -70,8 +70,20 @@ def free_port() -> int:
 def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """``dflash-serve`` for ``mode``, ready to serve."""
     port = free_port()
-    command = [sys.executable, "-m", "service.cli", "--target", str(args.target), "--draft", str(args.draft),
-               "--port", str(port), "--max-batch-size", str(args.max_batch_size), *mode.flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "--target",
+        str(args.target),
+        "--draft",
+        str(args.draft),
+        "--port",
+        str(port),
+        "--max-batch-size",
+        str(args.max_batch_size),
+        *mode.flags,
+    ]
     if args.server_logs:
         args.server_logs.mkdir(parents=True, exist_ok=True)
         log = (args.server_logs / f"{mode.name.replace(':', '-')}.log").open("w")
@@ -110,8 +122,10 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[
     texts = [p.text for p in humaneval()]
     runs: dict[str, list[list[dict]]] = {name: [[] for _ in args.concurrency] for name in urls}
     order: list[list] = []
-    clients = {name: openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-               for name, url in urls.items()}  # fmt: skip
+    clients = {
+        name: openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        for name, url in urls.items()
+    }
     try:
         models = {name: (await client.models.list()).data[0].id for name, client in clients.items()}
         for p, phase in enumerate(["warm-up"] + [f"measured {r + 1}" for r in range(args.repeats)]):
@@ -120,8 +134,9 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[
                 prompts = [texts[j % len(texts)] for j in range(max(2, per_level * concurrency))]
                 for name in turns(list(urls), i + p):
                     before = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
-                    level = await run_level(clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0,
-                                            args.repetition_penalty)  # fmt: skip
+                    level = await run_level(
+                        clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0, args.repetition_penalty
+                    )
                     after = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
                     order.append([phase, concurrency, name])
                     if phase != "warm-up":
@@ -165,8 +180,12 @@ def average_passes(passes: list[dict]) -> dict:
     for p in passes:
         for b, s in p.get("step_seconds_by_block", {}).items():
             blocks[b] = blocks.get(b, 0.0) + s
-    return {**passes[-1], "output_tokens_per_s": sum(values) / len(values), "output_tokens_per_s_passes": values,
-            "step_seconds_by_block": dict(sorted(blocks.items()))}  # fmt: skip
+    return {
+        **passes[-1],
+        "output_tokens_per_s": sum(values) / len(values),
+        "output_tokens_per_s_passes": values,
+        "step_seconds_by_block": dict(sorted(blocks.items())),
+    }
 
 
 def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
@@ -222,9 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--controller-interval-s", type=float, default=2.0)
     parser.add_argument("--plot", type=Path, help="write the PNG here")
-    parser.add_argument("--server-logs", type=Path,
-                        help="write each server's log here (MODE.log; the adaptive one logs every policy change "
-                             "with its reasons)")  # fmt: skip
+    parser.add_argument(
+        "--server-logs",
+        type=Path,
+        help="write each server's log here (MODE.log; the adaptive one logs every policy change with its reasons)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")

@@ -143,8 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-steps", type=int, default=300, help="draft distillation steps (built-in pair)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="greedy with this penalty (the bundled target loops without; make demo: 1.3)")  # fmt: skip
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="greedy with this penalty (the bundled target loops without; make demo: 1.3)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:

@@ -149,8 +149,14 @@ class DecodeSession:
         # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
         self.batch: RaggedBatch | None = None
-        self.rows = _Rows([], torch.empty(0, dtype=torch.long, device=target.device), [], [],
-                          TokenHistory.from_prompts([], target.vocab_size, target.device), [])  # fmt: skip
+        self.rows = _Rows(
+            [],
+            torch.empty(0, dtype=torch.long, device=target.device),
+            [],
+            [],
+            TokenHistory.from_prompts([], target.vocab_size, target.device),
+            [],
+        )
         self.prefill_seconds = 0.0
 
     def __len__(self) -> int:
@@ -212,8 +218,13 @@ class DecodeSession:
         into a new session of the same models; ``join`` takes them back."""
         moving = set(keys)
         index = [i for i, key in enumerate(self.rows.keys) if key in moving]
-        part = type(self)(self.target, self.draft, proposal=self.proposal, compact_slack=self.compact_slack,
-                             in_place_cache=self.in_place_cache)  # fmt: skip
+        part = type(self)(
+            self.target,
+            self.draft,
+            proposal=self.proposal,
+            compact_slack=self.compact_slack,
+            in_place_cache=self.in_place_cache,
+        )
         if index:
             part.batch = copy.deepcopy(self.batch)
             part.batch.select_rows(torch.tensor(index, device=self.target.device))

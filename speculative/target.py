@@ -134,9 +134,13 @@ class TargetModel:
         only: the head over a large vocabulary costs as much as several layers)."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         return self.forward(
-            input_ids, positions, self.new_cache(), positions[:, :0], feature_layers=feature_layers,
+            input_ids,
+            positions,
+            self.new_cache(),
+            positions[:, :0],
+            feature_layers=feature_layers,
             logits_to_keep=0 if logits else 1,
-        )  # fmt: skip
+        )
 
     def forward(
         self,

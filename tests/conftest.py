@@ -64,10 +64,21 @@ def tiny_pipeline(tmp_path_factory):
     """A real (tiny) run of every pipeline stage on the stdlib json package."""
     root = tmp_path_factory.mktemp("pipeline")
     target_cfg = TargetTrainConfig(
-        out_dir=root / "target", run_dir=root / "target-run", vocab_size=320, hidden_size=HIDDEN, num_layers=4,
-        num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=2048, seq_len=64, batch_size=4,
-        steps=40, warmup_steps=5, checkpoint_every=20,
-    )  # fmt: skip
+        out_dir=root / "target",
+        run_dir=root / "target-run",
+        vocab_size=320,
+        hidden_size=HIDDEN,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        context_length=2048,
+        seq_len=64,
+        batch_size=4,
+        steps=40,
+        warmup_steps=5,
+        checkpoint_every=20,
+    )
     target_summary = train_target(target_cfg, Corpus.stdlib(SMALL_CORPUS))
     pairs = [p for t in Corpus.stdlib(SMALL_CORPUS).texts() for p in function_pairs(t)]
     prompts = [*sorted((p.prompt for p in pairs), key=len)[:11], pairs[0].prompt * 20]  # the last: too long

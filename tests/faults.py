@@ -13,8 +13,13 @@ class FaultySession(DecodeSession):
     appended to the cache and the generators drew (the worst place: the state
     must roll back). Parts split off keep the same faults."""
 
-    def __init__(self, *args, fail_prefill: Callable[[list, list], bool] = Never,
-                 fail_round: Callable[[list], bool] = Never, **kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *args,
+        fail_prefill: Callable[[list, list], bool] = Never,
+        fail_round: Callable[[list], bool] = Never,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.fail_prefill, self.fail_round = fail_prefill, fail_round
 

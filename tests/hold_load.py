@@ -20,8 +20,9 @@ from pathlib import Path
 import openai
 
 
-async def hold(url: str, prompts: list[list[int]], concurrency: int, seconds: float, max_tokens: int,
-               stop_file: Path | None) -> int:  # fmt: skip
+async def hold(
+    url: str, prompts: list[list[int]], concurrency: int, seconds: float, max_tokens: int, stop_file: Path | None
+) -> int:
     deadline, done = time.monotonic() + seconds, 0
 
     def go_on() -> bool:
@@ -33,8 +34,9 @@ async def hold(url: str, prompts: list[list[int]], concurrency: int, seconds: fl
             nonlocal done
             i = first
             while go_on():
-                await client.completions.create(model="target", prompt=prompts[i % len(prompts)],
-                                                max_tokens=max_tokens, temperature=0)  # fmt: skip
+                await client.completions.create(
+                    model="target", prompt=prompts[i % len(prompts)], max_tokens=max_tokens, temperature=0
+                )
                 done += 1
                 i += concurrency
 

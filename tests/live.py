@@ -85,8 +85,9 @@ class PrometheusServer:
     """A real ``prometheus`` process on a free loopback port scraping ``targets``
     every ``scrape_interval``; ``stop``/``start`` to test outages."""
 
-    def __init__(self, workdir: Path, targets: list[str], scrape_interval: str = "1s",
-                 labels: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, workdir: Path, targets: list[str], scrape_interval: str = "1s", labels: dict[str, str] | None = None
+    ) -> None:
         listed = ", ".join(f'"{u.removeprefix("http://")}"' for u in targets)
         pairs = ", ".join(f"{k}: {v}" for k, v in (labels or {}).items())
         extra = f"\n        labels: {{{pairs}}}" if pairs else ""
@@ -97,8 +98,12 @@ class PrometheusServer:
         )
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.command = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                        f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
+        self.command = [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -64,8 +64,14 @@ def test_penalties_reach_the_decoder(model, client):
     prompt_ids = model[3]("import json\n", add_special_tokens=False)["input_ids"]
     penalties = dict(presence_penalty=0.5, frequency_penalty=1.5)
     expected, _ = greedy_text(model, prompt_ids, 24, [SamplingParams(repetition_penalty=1.4, **penalties)])
-    reply = client.completions.create(model="target", prompt=prompt_ids, max_tokens=24, temperature=0, **penalties,
-                                      extra_body={"repetition_penalty": 1.4})  # fmt: skip
+    reply = client.completions.create(
+        model="target",
+        prompt=prompt_ids,
+        max_tokens=24,
+        temperature=0,
+        **penalties,
+        extra_body={"repetition_penalty": 1.4},
+    )
     assert reply.choices[0].text == expected != greedy_text(model, prompt_ids, 24)[0]
 
 
@@ -82,17 +88,24 @@ def test_streaming_matches_non_streaming_and_reports_usage(client):
 def test_concurrent_requests_match_sequential_ones(server, client):
     prompts = [f"def f{i}(x):" for i in range(6)]
     alone = [
-        client.chat.completions.create(model="target", messages=[{"role": "user", "content": p}], max_tokens=16,
-                                       temperature=0).choices[0].message.content
+        client.chat.completions.create(
+            model="target", messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .message.content
         for p in prompts
-    ]  # fmt: skip
+    ]
 
     async def together():
         aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
         replies = await asyncio.gather(
-            *(aclient.chat.completions.create(model="target", messages=[{"role": "user", "content": p}],
-                                              max_tokens=16, temperature=0) for p in prompts)
-        )  # fmt: skip
+            *(
+                aclient.chat.completions.create(
+                    model="target", messages=[{"role": "user", "content": p}], max_tokens=16, temperature=0
+                )
+                for p in prompts
+            )
+        )
         return [r.choices[0].message.content for r in replies]
 
     assert asyncio.run(together()) == alone
@@ -136,8 +149,9 @@ def test_unknown_model_invalid_json_and_context_overflow(server, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     assert info.value.body["code"] == "model_not_found"
-    raw = httpx2.post(server[0] + "/v1/chat/completions", content=b"{not json",
-                      headers={"content-type": "application/json"})  # fmt: skip
+    raw = httpx2.post(
+        server[0] + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="target", prompt="x " * 3000, max_tokens=10)
@@ -157,8 +171,13 @@ def test_wrong_api_key_is_401(model):
 def test_disconnect_mid_stream_frees_the_slot(server):
     url, engine = server
     # Greedy: this tiny model runs on for 1500 tokens without a stop token.
-    body = {"model": "target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1500, "stream": True,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": "target",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 1500,
+        "stream": True,
+        "temperature": 0,
+    }
     with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
@@ -187,8 +206,9 @@ def test_full_queue_is_429_with_retry_after(model):
 
 def test_metrics_count_steps_tokens_and_requests(server, client):
     url, _ = server
-    client.chat.completions.create(model="target", messages=[{"role": "user", "content": "m"}], max_tokens=8,
-                                   temperature=0)  # fmt: skip
+    client.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "m"}], max_tokens=8, temperature=0
+    )
     samples = [s for f in text_string_to_metric_families(httpx2.get(url + "/metrics").text) for s in f.samples]
 
     def value(name, **labels):
@@ -211,8 +231,16 @@ def test_metrics_count_steps_tokens_and_requests(server, client):
 
 def test_batch_buckets():
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 63, 64, 500)] == [
-        "1", "2-3", "2-3", "4-7", "4-7", "8-15", "32-63", "64+", "64+"
-    ]  # fmt: skip
+        "1",
+        "2-3",
+        "2-3",
+        "4-7",
+        "4-7",
+        "8-15",
+        "32-63",
+        "64+",
+        "64+",
+    ]
 
 
 def test_load_sweep_direct_engine_baseline(model, server, tmp_path, capsys):
@@ -220,8 +248,22 @@ def test_load_sweep_direct_engine_baseline(model, server, tmp_path, capsys):
     from speculative.checkpoint import save_draft
 
     save_draft(model[2], tmp_path / "draft")
-    load(["--url", server[0], "--concurrency", "1", "--requests", "2", "--max-tokens", "6",
-          "--direct-target", str(model[0] / "target"), "--direct-draft", str(tmp_path / "draft")])  # fmt: skip
+    load(
+        [
+            "--url",
+            server[0],
+            "--concurrency",
+            "1",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "6",
+            "--direct-target",
+            str(model[0] / "target"),
+            "--direct-draft",
+            str(tmp_path / "draft"),
+        ]
+    )
     levels = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["levels"]
     assert [level["mode"] for level in levels] == ["direct engine", "http"]
     assert all(level["output_tokens_per_s"] > 0 for level in levels)
@@ -230,8 +272,21 @@ def test_load_sweep_direct_engine_baseline(model, server, tmp_path, capsys):
 def test_load_sweep_against_the_live_server(server, capsys):
     from service.loadgen import main as load
 
-    load(["--url", server[0], "--concurrency", "1", "3", "--requests", "3", "--max-tokens", "8",
-          "--repetition-penalty", "1.3"])  # fmt: skip
+    load(
+        [
+            "--url",
+            server[0],
+            "--concurrency",
+            "1",
+            "3",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "8",
+            "--repetition-penalty",
+            "1.3",
+        ]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert [level["concurrency"] for level in summary["levels"]] == [1, 3]
@@ -310,8 +365,11 @@ def test_every_finish_reason_and_refusal_is_counted(model):
         text = client.completions.create(model="target", prompt=[5, 6, 7], max_tokens=12, temperature=0)
         stop = text.choices[0].text[3:6]
         for stream in (False, True):
-            calls = {"length": dict(prompt=[5, 6, 7], max_tokens=5), "stop": dict(prompt=[5, 6, 7], stop=stop),
-                     "error": dict(prompt=[299, 6, 7], max_tokens=5)}  # fmt: skip
+            calls = {
+                "length": dict(prompt=[5, 6, 7], max_tokens=5),
+                "stop": dict(prompt=[5, 6, 7], stop=stop),
+                "error": dict(prompt=[299, 6, 7], max_tokens=5),
+            }
             for reason, kwargs in calls.items():
                 body = {"model": "target", "temperature": 0, "max_tokens": 12, "stream": stream, **kwargs}
                 response = httpx2.post(url + "/v1/completions", json=body, timeout=30)
@@ -319,8 +377,11 @@ def test_every_finish_reason_and_refusal_is_counted(model):
                     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
                     continue
                 events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
-                finish = events[-1]["error"]["type"] if stream and reason == "error" else (
-                    events[-1] if stream else response.json())["choices"][0]["finish_reason"]  # fmt: skip
+                finish = (
+                    events[-1]["error"]["type"]
+                    if stream and reason == "error"
+                    else (events[-1] if stream else response.json())["choices"][0]["finish_reason"]
+                )
                 assert finish == ("server_error" if reason == "error" else reason), response.text
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="target", prompt="x", temperature=0.001)
@@ -374,8 +435,9 @@ def test_prompts_are_tokenized_off_the_event_loop(model):
 def test_strict_types_and_valid_unicode(server, body, param):
     # json.dumps writes ASCII: a lone surrogate travels as its \u escape, as clients send it.
     raw = json.dumps({"model": "target", **body})
-    response = httpx2.post(server[0] + "/v1/chat/completions", content=raw, timeout=30,
-                           headers={"content-type": "application/json"})  # fmt: skip
+    response = httpx2.post(
+        server[0] + "/v1/chat/completions", content=raw, timeout=30, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
 

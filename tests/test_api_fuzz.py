@@ -37,8 +37,16 @@ def test_no_server_errors(live_url):
         check()
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "min_tokens",
-                   "repetition_penalty")  # fmt: skip
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "repetition_penalty",
+)
 INNOCENTS = (
     {"model": "target", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0},
     {"model": "target", "prompt": [9, 10], "max_tokens": 16, "temperature": 0.9, "top_k": 40, "seed": 5},
@@ -72,10 +80,16 @@ def innocents_alone(live_url) -> list[str]:
 
 @pytest.mark.parametrize(
     "sampling",
-    [{"temperature": 0.8, "seed": 2**64}, {"temperature": 0.8, "seed": -(2**63) - 1},
-     {"temperature": 0.8, "top_k": 2**63}, {"temperature": 1e-45}, {"temperature": 0.8, "repetition_penalty": 1e-45},
-     {"temperature": 0.8, "repetition_penalty": 1e30}, {"temperature": 0.8, "top_p": 1e-300}],
-)  # fmt: skip
+    [
+        {"temperature": 0.8, "seed": 2**64},
+        {"temperature": 0.8, "seed": -(2**63) - 1},
+        {"temperature": 0.8, "top_k": 2**63},
+        {"temperature": 1e-45},
+        {"temperature": 0.8, "repetition_penalty": 1e-45},
+        {"temperature": 0.8, "repetition_penalty": 1e30},
+        {"temperature": 0.8, "top_p": 1e-300},
+    ],
+)
 def test_values_that_once_broke_the_step(live_url, innocents_alone, sampling):
     check_beside_innocents(live_url, sampling, innocents_alone)
 

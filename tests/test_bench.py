@@ -31,11 +31,25 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
     save_draft(draft, tmp_path / "draft")
     main(
         [
-            "--target", str(root / "target"), "--draft", str(tmp_path / "draft"), "--assistant", str(root / "target"),
-            "--limit", "2", "--block-sizes", "2", "4", "--temperatures", "0", "1", "--max-new-tokens", "12",
+            "--target",
+            str(root / "target"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--assistant",
+            str(root / "target"),
+            "--limit",
+            "2",
+            "--block-sizes",
+            "2",
+            "4",
+            "--temperatures",
+            "0",
+            "1",
+            "--max-new-tokens",
+            "12",
             "--diagnose",
         ]
-    )  # fmt: skip
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     rows = summary["rows"]
@@ -83,8 +97,19 @@ def test_demo_runs_a_local_pair_through_the_chat_template(model, tmp_path, capsy
 
     root, _, draft, _ = model
     save_draft(draft, tmp_path / "draft")
-    demo(["--target", str(root / "target"), "--draft", str(tmp_path / "draft"), "--block-sizes", "2", "4",
-          "--max-new-tokens", "8"])  # fmt: skip
+    demo(
+        [
+            "--target",
+            str(root / "target"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--block-sizes",
+            "2",
+            "4",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["block_size"] for r in summary["prompts"]["results"]] == [2, 4]
     assert all(r["lossless"] for r in summary["prompts"]["results"])

@@ -473,8 +473,9 @@ def test_a_crowded_bucket_leaves_the_block_it_borrowed_from_a_flat_idle_bucket()
     # flat slope, which makes b = 8 look 30 % worse: only measuring it reveals
     # that crowded steps are steep (best b = 4 here, b = 16 at 0.7x of it).
     engine = SimulatedEngine(batches=(1,), alpha=0.9, noise=0.1, slope={**SLOPE, 1: 0.0})
-    settings = ControllerSettings(candidates=(1, 2, 4, 8, 16), half_life_s=20.0, min_steps=5.0,
-                                  min_verified=20.0, explore_after_s=8.0)  # fmt: skip
+    settings = ControllerSettings(
+        candidates=(1, 2, 4, 8, 16), half_life_s=20.0, min_steps=5.0, min_verified=20.0, explore_after_s=8.0
+    )
     state = ControllerState.initial(16)
     for _ in range(15):
         _, state = decide(engine.tick(state.table, seconds=1.0, turns=turns(state)), state, settings)
@@ -517,8 +518,14 @@ def test_loop_survives_a_failing_decision(monkeypatch):
 
     registry = CollectorRegistry()
     engine = SimulatedEngine(batches=(1,))
-    loop = ControllerLoop(lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)), lambda policy: None,
-                          ControllerSettings(), 16, ControllerMetrics(registry), clock=lambda: engine.now)  # fmt: skip
+    loop = ControllerLoop(
+        lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)),
+        lambda policy: None,
+        ControllerSettings(),
+        16,
+        ControllerMetrics(registry),
+        clock=lambda: engine.now,
+    )
     monkeypatch.setattr(loop_module, "decide", broken)
     assert loop.tick() is None
     assert registry.get_sample_value("dflash_controller_errors_total", {"stage": "decide"}) == 1
@@ -562,8 +569,9 @@ def test_loop_keeps_the_last_policy_through_failures_and_recovers():
     engine = SimulatedEngine(batches=(32,))
     pushed = []
     source = FlakySource(engine, dict.fromkeys(BUCKETS, 16))
-    loop = ControllerLoop(source, pushed.append, ControllerSettings(), 16, ControllerMetrics(registry),
-                          clock=lambda: engine.now)  # fmt: skip
+    loop = ControllerLoop(
+        source, pushed.append, ControllerSettings(), 16, ControllerMetrics(registry), clock=lambda: engine.now
+    )
     for _ in range(30):
         loop.tick()
         source.table = dict(loop.state.table)
@@ -583,8 +591,14 @@ def test_loop_decides_as_soon_as_it_starts():
     engine = SimulatedEngine(batches=(32,))
     pushed = threading.Event()
     metrics = ControllerMetrics(CollectorRegistry())
-    loop = ControllerLoop(lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)), lambda policy: pushed.set(),
-                          ControllerSettings(), 16, metrics, interval_s=3600.0)  # fmt: skip
+    loop = ControllerLoop(
+        lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)),
+        lambda policy: pushed.set(),
+        ControllerSettings(),
+        16,
+        metrics,
+        interval_s=3600.0,
+    )
     loop.start()
     try:
         assert pushed.wait(10.0)
@@ -600,9 +614,15 @@ def test_loop_decides_often_while_a_trial_runs():
         return Observation(now, {}, {}, {})
 
     def loop_with(interval_s: float, trial_interval_s: float) -> ControllerLoop:
-        return ControllerLoop(observe, lambda policy: None, ControllerSettings(), 16,
-                              ControllerMetrics(CollectorRegistry()), interval_s=interval_s,
-                              trial_interval_s=trial_interval_s)  # fmt: skip
+        return ControllerLoop(
+            observe,
+            lambda policy: None,
+            ControllerSettings(),
+            16,
+            ControllerMetrics(CollectorRegistry()),
+            interval_s=interval_s,
+            trial_interval_s=trial_interval_s,
+        )
 
     loop = loop_with(3600.0, 0.02)
     assert loop.next_wait_s() == 3600.0
@@ -633,9 +653,16 @@ def test_loop_decides_often_while_an_old_trial_fills():
         cells = {("8-15", 2): (0.01 * steps["8-15"], steps["8-15"]), ("1", 16): (0.01 * steps["1"], steps["1"])}
         return Observation(at, cells, {}, {})
 
-    loop = ControllerLoop(observe, lambda policy: None, ControllerSettings(), 16,
-                          ControllerMetrics(CollectorRegistry()), interval_s=10.0, trial_interval_s=0.5,
-                          clock=lambda: now[0])  # fmt: skip
+    loop = ControllerLoop(
+        observe,
+        lambda policy: None,
+        ControllerSettings(),
+        16,
+        ControllerMetrics(CollectorRegistry()),
+        interval_s=10.0,
+        trial_interval_s=0.5,
+        clock=lambda: now[0],
+    )
     loop.tick()  # the baseline
     loop.state.exploring["8-15"] = Trial(block=2, back_to=16, since=now[0] - 60, samples_at_start=0.0, **UNPAIRED)
     assert loop.next_wait_s() == 10.0
@@ -657,8 +684,14 @@ def test_loop_retries_a_failed_push():
         if len(attempts) == 1:
             raise ConnectionError("replica unreachable")
 
-    loop = ControllerLoop(lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)), push, ControllerSettings(), 16,
-                          ControllerMetrics(registry), clock=lambda: engine.now)  # fmt: skip
+    loop = ControllerLoop(
+        lambda now: engine.tick(dict.fromkeys(BUCKETS, 16)),
+        push,
+        ControllerSettings(),
+        16,
+        ControllerMetrics(registry),
+        clock=lambda: engine.now,
+    )
     loop.tick()
     loop.tick()
     assert len(attempts) == 2 and loop.pushed == attempts[1]
@@ -685,8 +718,15 @@ dflash_verified_tokens_per_position_total{position="1"} 100
 def test_observation_from_metric_objects_equals_the_rendered_text():
     metrics = Metrics()
     for batch, b, accepted in ((1, 4, [2, 1, 0]), (3, 8, [3, 2, 2, 1, 0, 0, 0]), (40, 1, [])):
-        stats = RoundStats(batch_size=batch, block_size=b, committed=[1] * batch, accepted_per_position=accepted,
-                           verified_per_position=[batch] * (b - 1), draft_seconds=0, verify_seconds=0)  # fmt: skip
+        stats = RoundStats(
+            batch_size=batch,
+            block_size=b,
+            committed=[1] * batch,
+            accepted_per_position=accepted,
+            verified_per_position=[batch] * (b - 1),
+            draft_seconds=0,
+            verify_seconds=0,
+        )
         metrics.observe_steps(stats, 0.5, 7)
     direct = observation_from_collectors(metrics.controller_inputs(), now=3.0)
     assert direct == observation_from_text([generate_latest(metrics.registry).decode()], now=3.0)
@@ -708,8 +748,15 @@ def test_startup_profile_seeds_step_times_for_idle_buckets(model):
     settings = ControllerSettings(min_steps=3, max_block_size=4)
 
     def first_decision(counters_from_zero: bool):
-        loop = ControllerLoop(lambda now: obs, lambda policy: None, settings, 4, ControllerMetrics(CollectorRegistry()),
-                              counters_from_zero=counters_from_zero, clock=lambda: 1.0)  # fmt: skip
+        loop = ControllerLoop(
+            lambda now: obs,
+            lambda policy: None,
+            settings,
+            4,
+            ControllerMetrics(CollectorRegistry()),
+            counters_from_zero=counters_from_zero,
+            clock=lambda: 1.0,
+        )
         return loop.tick()
 
     assert "no measurements" not in first_decision(True).reasons["8-15"]
@@ -746,8 +793,13 @@ def test_startup_profile_takes_block_sizes_in_turns_and_skips_first_steps():
     # In turns, drift on a shared machine (1.5x within seconds) moves every block
     # alike; the first step at a new shape pays one-off costs and is not reported.
     session, seen = _ShapeTimedSession(), []
-    profile_step_times(session, lambda stats, seconds: seen.append((stats.batch_size, stats.block_size, seconds)),
-                       batch_sizes=(1, 2), block_sizes=(1, 4, 32), steps=3)  # fmt: skip
+    profile_step_times(
+        session,
+        lambda stats, seconds: seen.append((stats.batch_size, stats.block_size, seconds)),
+        batch_sizes=(1, 2),
+        block_sizes=(1, 4, 32),
+        steps=3,
+    )
     assert seen == [(batch, b, 0.01) for batch in (1, 2) for _ in range(3) for b in (1, 4)]
     assert session.blocks == [1, 4] * 4 * 2 and len(session) == 0
 
@@ -761,9 +813,15 @@ def test_loop_repushes_an_unchanged_policy_when_asked():
 
     def push_times(repush_s):
         now[0], pushed = 0.0, []
-        loop = ControllerLoop(quiet, lambda p: pushed.append(now[0]), ControllerSettings(), 16,
-                              ControllerMetrics(CollectorRegistry()), repush_s=repush_s,
-                              clock=lambda: now[0])  # fmt: skip
+        loop = ControllerLoop(
+            quiet,
+            lambda p: pushed.append(now[0]),
+            ControllerSettings(),
+            16,
+            ControllerMetrics(CollectorRegistry()),
+            repush_s=repush_s,
+            clock=lambda: now[0],
+        )
         for _ in range(8):
             loop.tick()
         return pushed

@@ -141,10 +141,18 @@ def test_manifests_validate_against_kubernetes_and_crd_schemas(kustomization):
             model.model_validate(doc)
             assert unknown_fields({k: v for k, v in doc.items() if k != "metadata"}, model) == []
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert {("Deployment", "dflash-serve"), ("Deployment", "dflash-gateway"), ("Deployment", "dflash-controller"),
-            ("PodMonitor", "dflash-serve"), ("Role", "dflash-gateway")} <= kinds  # fmt: skip
-    scaler = ("ScaledObject", "dflash-serve") if kustomization != "alternatives/hpa" else ("HorizontalPodAutoscaler",
-                                                                                           "dflash-serve")  # fmt: skip
+    assert {
+        ("Deployment", "dflash-serve"),
+        ("Deployment", "dflash-gateway"),
+        ("Deployment", "dflash-controller"),
+        ("PodMonitor", "dflash-serve"),
+        ("Role", "dflash-gateway"),
+    } <= kinds
+    scaler = (
+        ("ScaledObject", "dflash-serve")
+        if kustomization != "alternatives/hpa"
+        else ("HorizontalPodAutoscaler", "dflash-serve")
+    )
     assert scaler in kinds
 
 
@@ -172,8 +180,11 @@ def test_autoscaling_and_controller_queries_use_exported_metrics():
     scaler = next(d for d in docs if d["kind"] == "ScaledObject")
     queries = [t["metadata"]["query"] for t in scaler["spec"]["triggers"]]
     controller = deployment(docs, "dflash-controller")
-    queries += [a.split("=", 1)[1] for a in controller["spec"]["template"]["spec"]["containers"][0]["command"]
-                if a.startswith("--discover-replicas=")]  # fmt: skip
+    queries += [
+        a.split("=", 1)[1]
+        for a in controller["spec"]["template"]["spec"]["containers"][0]["command"]
+        if a.startswith("--discover-replicas=")
+    ]
     for query in queries:
         names = set(re.findall(r"\b(dflash_[a-z0-9_]+)", query))
         assert names <= exported, (query, names - exported)
@@ -218,9 +229,17 @@ def test_dashboard_queries_parse():
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("needs promtool (make test installs Debian's prometheus)")
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": promql(t["expr"])} for i, t in enumerate(dashboard_targets())
-    ]}]}  # fmt: skip
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard:query_{i}", "expr": promql(t["expr"])}
+                    for i, t in enumerate(dashboard_targets())
+                ],
+            }
+        ]
+    }
     path = ROOT / "build" / "dashboard-queries.rules.yml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(yaml.safe_dump(rules))

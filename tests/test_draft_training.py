@@ -34,10 +34,21 @@ def test_anchor_counts_follow_the_coverage():
 def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     common = dict(
-        target_dir=root / "target", data=(root / "data.jsonl",), out_dir=tmp_path / "draft", run_dir=tmp_path / "run",
-        block_size=8, anchors_per_sequence=8, anchor_coverage=2.0, batch_size=4, epochs=6.0, lr=3e-3,
-        checkpoint_every=4, holdout=2, feature_store=str(tmp_path / "store"), feature_layers="0,1,2,3",
-    )  # fmt: skip
+        target_dir=root / "target",
+        data=(root / "data.jsonl",),
+        out_dir=tmp_path / "draft",
+        run_dir=tmp_path / "run",
+        block_size=8,
+        anchors_per_sequence=8,
+        anchor_coverage=2.0,
+        batch_size=4,
+        epochs=6.0,
+        lr=3e-3,
+        checkpoint_every=4,
+        holdout=2,
+        feature_store=str(tmp_path / "store"),
+        feature_layers="0,1,2,3",
+    )
     stopped = train_draft(DraftTrainConfig(**common, time_limit_minutes=1e-9))
     assert not stopped["finished"]
     store = json.loads((tmp_path / "store" / INDEX).read_text())
@@ -55,7 +66,12 @@ def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_p
 def test_a_holdout_of_every_record_is_refused(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     every = len(load_records([root / "data.jsonl"], 768))
-    config = DraftTrainConfig(target_dir=root / "target", data=(root / "data.jsonl",), out_dir=tmp_path / "d",
-                              run_dir=tmp_path / "r", holdout=every)  # fmt: skip
+    config = DraftTrainConfig(
+        target_dir=root / "target",
+        data=(root / "data.jsonl",),
+        out_dir=tmp_path / "d",
+        run_dir=tmp_path / "r",
+        holdout=every,
+    )
     with pytest.raises(ValueError, match="leaves none"):
         train_draft(config)

@@ -61,17 +61,26 @@ def test_repetition_penalty_greedy_matches_transformers(qwen_pair, block_size):
     params = SamplingParams(repetition_penalty=1.3)
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
-        reference = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                          do_sample=False, repetition_penalty=1.3, pad_token_id=0,
-                                          eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
+        reference = target.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[0, len(prompt) :].tolist()
         result = spec_generate(target, draft, [prompt], DecodeConfig(block_size, NEW_TOKENS), [params])
         assert result.tokens[0] == reference
 
 
 def test_openai_penalties_greedy_match_plain_decoding_in_ragged_batches(qwen_pair):
     target, draft = qwen_pair
-    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3), SamplingParams(),
-              SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2)] * 4  # fmt: skip
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2),
+    ] * 4
     references = [reference_penalized_greedy(target, p, s, NEW_TOKENS) for p, s in zip(PROMPTS, params, strict=True)]
     for block_size in (1, 8):
         result = spec_generate(target, draft, PROMPTS, DecodeConfig(block_size, NEW_TOKENS), params)

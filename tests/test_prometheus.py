@@ -54,9 +54,13 @@ def test_controller_reads_prometheus_and_pushes_to_every_replica(model, tmp_path
 
         registry = CollectorRegistry()
         loop = ControllerLoop(
-            lambda now: query_prometheus(prom, now), push_to_replicas(lambda: [url_a, url_b], "k"),
-            ControllerSettings(max_block_size=4), 4, ControllerMetrics(registry), clock=time.monotonic,
-        )  # fmt: skip
+            lambda now: query_prometheus(prom, now),
+            push_to_replicas(lambda: [url_a, url_b], "k"),
+            ControllerSettings(max_block_size=4),
+            4,
+            ControllerMetrics(registry),
+            clock=time.monotonic,
+        )
         assert loop.tick() is not None and loop.pushed is not None
         expected = loop.pushed.to_dict()
         assert discover_replicas(prom, 'up{job="dflash"}') == sorted([url_a, url_b])
@@ -101,15 +105,22 @@ def distilled_pair(model):
     target = tiny_target(layers=2, lm_head_scale=4.0, **LIGHT)
     with torch.no_grad():  # special tokens (end of text, chat markers) never win: responses run to max_tokens
         target.model.get_output_embeddings().weight[:4] = 0.0
-    prompts = [[4 + t for t in p] for p in random_prompts(LOAD_PROMPTS, seed=11, min_len=PROMPT_LEN,
-                                                             max_len=PROMPT_LEN, vocab=315)]  # fmt: skip
+    prompts = [
+        [4 + t for t in p]
+        for p in random_prompts(LOAD_PROMPTS, seed=11, min_len=PROMPT_LEN, max_len=PROMPT_LEN, vocab=315)
+    ]
     responses = spec_generate(target, None, prompts, DecodeConfig(block_size=1, max_new_tokens=RESPONSE_LEN)).tokens
-    draft = tiny_draft(layers=1, num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=3,
-                       **{**LIGHT, "intermediate_size": 512})  # fmt: skip
+    draft = tiny_draft(
+        layers=1, num_target_layers=2, target_layer_ids=(0, 1), mask_token_id=3, **{**LIGHT, "intermediate_size": 512}
+    )
     sequences = torch.tensor([p + r for p, r in zip(prompts, responses, strict=True)])
     distill_draft(draft, target, sequences, PROMPT_LEN, steps=DISTILL_STEPS)
-    tau = {b: spec_generate(target, draft, prompts, DecodeConfig(block_size=b, max_new_tokens=RESPONSE_LEN))
-           .mean_acceptance_length for b in (4, 16)}  # fmt: skip
+    tau = {
+        b: spec_generate(
+            target, draft, prompts, DecodeConfig(block_size=b, max_new_tokens=RESPONSE_LEN)
+        ).mean_acceptance_length
+        for b in (4, 16)
+    }
     goodput = {(batch, b): tau.get(b, 1.0) / STEP_COST(batch, b) for batch in (1, 32) for b in (1, 4, 16)}
     # The premise, with a wide margin: b = 16 wins alone, b = 4 at thirty-two.
     assert goodput[1, 16] > 1.3 * max(goodput[1, 4], goodput[1, 1]), tau
@@ -117,16 +128,24 @@ def distilled_pair(model):
     return (root, target, draft, tokenizer), prompts
 
 
-def hold_concurrency(url: str, prompts: list[list[int]], concurrency: int, seconds: float,
-                     until: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+def hold_concurrency(
+    url: str, prompts: list[list[int]], concurrency: int, seconds: float, until: Callable[[], bool] = lambda: False
+) -> int:
     """Keep ``concurrency`` greedy completions in flight (official async client,
     in its own process) for ``seconds``, or only until ``until()`` holds (no new
     request starts then; those in flight finish); returns how many completed."""
     with tempfile.TemporaryDirectory() as scratch:
         stop_file, prompts_file, out_file, err_file = (Path(scratch) / n for n in ("stop", "prompts", "out", "err"))
         prompts_file.write_text(json.dumps(prompts))
-        command = [sys.executable, str(HOLD_LOAD), url, str(concurrency), str(seconds), str(RESPONSE_LEN),
-                   str(stop_file)]  # fmt: skip
+        command = [
+            sys.executable,
+            str(HOLD_LOAD),
+            url,
+            str(concurrency),
+            str(seconds),
+            str(RESPONSE_LEN),
+            str(stop_file),
+        ]
         with prompts_file.open() as stdin, out_file.open("w") as stdout, err_file.open("w") as stderr:
             load = subprocess.Popen(command, stdin=stdin, stdout=stdout, stderr=stderr)
             while load.poll() is None and not until():
@@ -145,12 +164,24 @@ def test_policy_follows_concurrency_through_prometheus(distilled_pair, tmp_path)
     model, prompts = distilled_pair
     server, engine = make_server(model, step_cost=STEP_COST, admin_key="k", max_batch_size=32)
     # Candidates 4 and 16: b = 8 sits between the regimes and ties with either.
-    settings = ControllerSettings(candidates=(1, 4, 16), max_block_size=16, half_life_s=20.0, min_steps=10.0,
-                                  min_verified=20.0, explore_after_s=8.0)  # fmt: skip
+    settings = ControllerSettings(
+        candidates=(1, 4, 16),
+        max_block_size=16,
+        half_life_s=20.0,
+        min_steps=10.0,
+        min_verified=20.0,
+        explore_after_s=8.0,
+    )
     registry = CollectorRegistry()
     with server as url, PrometheusServer(tmp_path, [url], scrape_interval="500ms") as prometheus:
-        loop = ControllerLoop(lambda now: query_prometheus(prometheus.url, now), push_to_replicas(lambda: [url], "k"),
-                              settings, 16, ControllerMetrics(registry), interval_s=1.0)  # fmt: skip
+        loop = ControllerLoop(
+            lambda now: query_prometheus(prometheus.url, now),
+            push_to_replicas(lambda: [url], "k"),
+            settings,
+            16,
+            ControllerMetrics(registry),
+            interval_s=1.0,
+        )
         loop.start()
         try:
             assert hold_concurrency(url, prompts, 1, ALONE_S) > 0

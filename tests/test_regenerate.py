@@ -44,8 +44,9 @@ def test_sampled_share_is_seeded_per_prompt_and_greedy_rows_are_the_targets_own(
     config = RegenerateConfig(max_new_tokens=12, batch_size=3, prefill_group=2, sampled_share=0.5, seed=1)
     records = {r["id"]: r for r in regenerate_stream(target, prompts, (), config)}
     temperatures = {r["temperature"] for r in records.values()}
-    assert temperatures == {0.0, 0.7} and all(records[i]["temperature"] == row_sampling(i, config).temperature
-                                               for i in prompts)  # fmt: skip
+    assert temperatures == {0.0, 0.7} and all(
+        records[i]["temperature"] == row_sampling(i, config).temperature for i in prompts
+    )
     for i, record in records.items():
         params = row_sampling(i, config)
         alone = spec_generate(target, None, [prompts[i]], DecodeConfig(1, 12), params)

@@ -100,9 +100,13 @@ def test_warping_and_penalties_keep_tokens_outside_a_draft_vocabulary_at_zero():
     logits = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(1)) * 3
     outside = torch.tensor([0, 3, 4, 7])
     logits[..., outside] = float("-inf")
-    params = [SamplingParams(), SamplingParams(1.0), SamplingParams(0.7, top_k=6), SamplingParams(1.0, top_p=0.5),
-              SamplingParams(1.3, top_k=3, top_p=0.9, repetition_penalty=1.5, frequency_penalty=-2.0,
-                             presence_penalty=2.0)]  # fmt: skip
+    params = [
+        SamplingParams(),
+        SamplingParams(1.0),
+        SamplingParams(0.7, top_k=6),
+        SamplingParams(1.0, top_p=0.5),
+        SamplingParams(1.3, top_k=3, top_p=0.9, repetition_penalty=1.5, frequency_penalty=-2.0, presence_penalty=2.0),
+    ]
     history = TokenHistory.from_prompts([[0, 1, 3], [7]] * 2 + [[3, 4, 5]], 8, logits.device)
     history.add([[3, 3, 0]] * 5)
     penalized = penalize(logits, params, history)

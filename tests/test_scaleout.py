@@ -34,16 +34,32 @@ REQUESTS, CONCURRENCY, MAX_TOKENS = 24, 4, 40
 
 def start_replica(target: Path, draft: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "service.cli", "--target", str(target), "--draft", str(draft), "--port", str(port),
-               "--served-model-name", "tiny", "--admin-key", "k", "--controller", "false"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--admin-key",
+        "k",
+        "--controller",
+        "false",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return process, f"http://127.0.0.1:{port}"
 
 
 def served_requests(url: str) -> float:
     text = httpx2.get(url + "/metrics", timeout=5).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "dflash_requests_total")  # fmt: skip
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "dflash_requests_total"
+    )
 
 
 def test_gateway_spreads_load_and_survives_a_killed_replica(served_pair_dirs, tmp_path):
@@ -59,12 +75,33 @@ def test_gateway_spreads_load_and_survives_a_killed_replica(served_pair_dirs, tm
             wait_until(lambda url=url: answers(url + "/ready"), seconds=120)
         gateway_port, gateway_metrics = free_port(), free_port()
         gateway = subprocess.Popen(
-            [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(gateway_port), "--worker-urls", *replicas,
-             "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(gateway_metrics),
-             "--health-check-interval-secs", "1", "--health-failure-threshold", "1", "--retry-max-retries", "5",
-             "--worker-startup-check-interval", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                str(SMG),
+                "launch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(gateway_port),
+                "--worker-urls",
+                *replicas,
+                "--policy",
+                "round_robin",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(gateway_metrics),
+                "--health-check-interval-secs",
+                "1",
+                "--health-failure-threshold",
+                "1",
+                "--retry-max-retries",
+                "5",
+                "--worker-startup-check-interval",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         processes.append(gateway)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         wait_until(lambda: answers(gateway_url + "/readiness"), seconds=60)
@@ -74,9 +111,12 @@ def test_gateway_spreads_load_and_survives_a_killed_replica(served_pair_dirs, tm
             loop = ControllerLoop(
                 lambda now: query_prometheus(prometheus.url, now),
                 push_to_replicas(lambda: discover_replicas(prometheus.url, 'up{job="dflash"}'), "k"),
-                ControllerSettings(max_block_size=4, min_steps=5.0), 4, ControllerMetrics(registry),
-                interval_s=1.0, repush_s=2.0,
-            )  # fmt: skip
+                ControllerSettings(max_block_size=4, min_steps=5.0),
+                4,
+                ControllerMetrics(registry),
+                interval_s=1.0,
+                repush_s=2.0,
+            )
             loop.start()
             client = openai.OpenAI(base_url=gateway_url + "/v1", api_key="x", max_retries=0, timeout=120)
             results, errors, done = [], [], threading.Event()
@@ -84,8 +124,9 @@ def test_gateway_spreads_load_and_survives_a_killed_replica(served_pair_dirs, tm
             def worker(first: int) -> None:
                 for i in range(first, REQUESTS, CONCURRENCY):
                     try:
-                        reply = client.completions.create(model="tiny", prompt=f"def f{i}(x):", max_tokens=MAX_TOKENS,
-                                                          temperature=0)  # fmt: skip
+                        reply = client.completions.create(
+                            model="tiny", prompt=f"def f{i}(x):", max_tokens=MAX_TOKENS, temperature=0
+                        )
                         results.append(reply.usage.completion_tokens)
                     except openai.OpenAIError as exc:  # a lost request: asserted below
                         errors.append(exc)
@@ -110,8 +151,10 @@ def test_gateway_spreads_load_and_survives_a_killed_replica(served_pair_dirs, tm
             wait_until(lambda: decisions() > decisions_before_kill + 2)
             loop.stop()
             assert loop.pushed is not None
-            survivor_policy = lambda: httpx2.get(survivor + "/admin/policy",  # noqa: E731
-                                                 headers={"authorization": "Bearer k"}).json()  # fmt: skip
+
+            def survivor_policy() -> dict:
+                return httpx2.get(survivor + "/admin/policy", headers={"authorization": "Bearer k"}).json()
+
             if survivor_policy() != loop.pushed.to_dict():  # the last decision's push may still be on its way
                 loop.tick()
             assert survivor_policy() == loop.pushed.to_dict()

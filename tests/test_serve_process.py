@@ -17,8 +17,20 @@ from live import free_port
 def serving(target, draft, *flags: str):
     """A ``dflash-serve`` process on a free port, ready; yields (process, url)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "--target", str(target), "--draft", str(draft),
-           "--port", str(port), "--served-model-name", "tiny", *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        *flags,
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

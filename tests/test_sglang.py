@@ -43,8 +43,10 @@ def test_policy_json_round_trip_and_errors():
     for policy in (BlockPolicy((1, 4, 16), (16, 8, 2)), BlockPolicy((1, 4, 16), (16, 8, 2), (16, 1, 2))):
         assert BlockPolicy.from_json(policy.to_json()) == policy
     assert BlockPolicy.fixed(4).to_dict() == {"min_batch": [1], "block_sizes": [4]}
-    bad_alternates = ('{"min_batch": [1], "block_sizes": [4], "alternates": [1, 2]}',
-                      '{"min_batch": [1], "block_sizes": [4], "alternates": [0]}')  # fmt: skip
+    bad_alternates = (
+        '{"min_batch": [1], "block_sizes": [4], "alternates": [1, 2]}',
+        '{"min_batch": [1], "block_sizes": [4], "alternates": [0]}',
+    )
     for bad in ("{", '{"min_batch": [1]}', '{"min_batch": [2], "block_sizes": [4]}', "[]", *bad_alternates):
         with pytest.raises(ValueError):
             BlockPolicy.from_json(bad)
@@ -162,8 +164,10 @@ def test_step_counters_per_batch_and_block_size():
     report = json.loads(json.dumps(counters.to_report()))
     doubled = StepCounters.from_reports([report, report])
     assert doubled.cells[(2, 4)] == StepCell(4, pytest.approx(0.12), [6, 2, 2], graph_steps=2)
-    assert doubled.since(counters).cells == {(2, 4): StepCell(2, pytest.approx(0.06), [3, 1, 1], graph_steps=1),
-                                             (1, 8): StepCell(1, 0.01, [1, 1, 1, 1, 1, 0, 0])}  # fmt: skip
+    assert doubled.since(counters).cells == {
+        (2, 4): StepCell(2, pytest.approx(0.06), [3, 1, 1], graph_steps=1),
+        (1, 8): StepCell(1, 0.01, [1, 1, 1, 1, 1, 0, 0]),
+    }
     assert counters.since(counters).cells == {}
     restarted = StepCounters()
     restarted.add_step([0], block_size=8, seconds=0.03)
@@ -226,8 +230,12 @@ def test_scheduler_rpcs_reach_the_adaptive_worker():
 def test_internal_state_reports_policy_and_counters():
     steps = StepCounters()
     steps.add_step([2], 4, 0.5)
-    worker = SimpleNamespace(block_policy=BlockPolicy.fixed(4), block_states=SimpleNamespace(active=4),
-                             step_counters=steps, trained_block_size=4)  # fmt: skip
+    worker = SimpleNamespace(
+        block_policy=BlockPolicy.fixed(4),
+        block_states=SimpleNamespace(active=4),
+        step_counters=steps,
+        trained_block_size=4,
+    )
     state = {}
     plugin.report_state(None, SimpleNamespace(scheduler=SimpleNamespace(draft_worker=worker)), state)
     report = json.loads(json.dumps(state))["dflash_adaptive"]  # msgpack/JSON-native
@@ -254,10 +262,19 @@ def test_server_and_sampling_arguments():
 
     request = GenerateRequest("r", (1, 2), 5, SamplingParams(0.7, top_p=0.9, seed=3), (0,), ("\n\n",))
     assert sampling_params(request) == {
-        "max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "stop_token_ids": [0],
-        "stop": ["\n\n"], "skip_special_tokens": True, "sampling_seed": 3, "presence_penalty": 0.0,
-        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
-    }  # fmt: skip
+        "max_new_tokens": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "stop_token_ids": [0],
+        "stop": ["\n\n"],
+        "skip_special_tokens": True,
+        "sampling_seed": 3,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "min_new_tokens": 0,
+    }
 
 
 def test_finish_reasons_and_spec_stats():
@@ -291,8 +308,9 @@ class FakeRuntime:
         async def internal_state():
             return self.states
 
-        self.tokenizer_manager = SimpleNamespace(abort_request=lambda rid: self.aborted.append(rid),
-                                                 get_internal_state=internal_state)  # fmt: skip
+        self.tokenizer_manager = SimpleNamespace(
+            abort_request=lambda rid: self.aborted.append(rid), get_internal_state=internal_state
+        )
 
     async def async_generate(self, **kwargs):
         self.calls.append(kwargs)
@@ -300,8 +318,12 @@ class FakeRuntime:
         async def chunks():
             for i, ids in enumerate(self.script):
                 last = i == len(self.script) - 1
-                meta = {"id": kwargs["rid"], "prompt_tokens": len(kwargs["input_ids"]), "completion_tokens": len(ids),
-                        "finish_reason": {"type": "length"} if last else None}  # fmt: skip
+                meta = {
+                    "id": kwargs["rid"],
+                    "prompt_tokens": len(kwargs["input_ids"]),
+                    "completion_tokens": len(ids),
+                    "finish_reason": {"type": "length"} if last else None,
+                }
                 yield {"text": "", "output_ids": list(ids), "meta_info": meta | (self.final_meta if last else {})}
                 await asyncio.sleep(0)
 

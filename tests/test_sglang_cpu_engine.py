@@ -42,9 +42,14 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "W
 def served():
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # inherited by SGLang's scheduler process
     settings = ServeSettings(
-        target=TARGET, draft=None, engine="sglang", device="cpu", max_batch_size=4, controller=False,
+        target=TARGET,
+        draft=None,
+        engine="sglang",
+        device="cpu",
+        max_batch_size=4,
+        controller=False,
         sglang_args={"max_total_tokens": 65536, "dtype": "float32"},
-    )  # fmt: skip
+    )
     tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
     metrics = Metrics()
     engine = SGLangEngine.from_settings(settings, tokenizer, metrics)
@@ -68,9 +73,12 @@ def test_greedy_text_equals_transformers(served):
     # vLLM) also counts the prompt. Pinned here so docs/sglang.md stays true.
     ids = user_prompt_ids(tokenizer, PROMPTS[:1])[0]
     penalised = client.chat.completions.create(
-        model="pycoder-12m", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=48, temperature=0,
+        model="pycoder-12m",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=48,
+        temperature=0,
         extra_body={"repetition_penalty": 1.3},
-    )  # fmt: skip
+    )
     prompt = torch.tensor([ids])
     with_prompt = model.generate(prompt, max_new_tokens=48, do_sample=False, repetition_penalty=1.3)
     scope = LogitsProcessorList([GeneratedOnlyPenalty(1.3, len(ids))])
@@ -100,9 +108,13 @@ def test_streaming_equals_the_whole_reply_and_reports_usage(served):
     messages = [{"role": "user", "content": PROMPTS[0]}]
     whole = client.chat.completions.create(model="pycoder-12m", messages=messages, max_tokens=40, temperature=0)
     streamed = client.chat.completions.create(
-        model="pycoder-12m", messages=messages, max_tokens=40, temperature=0, stream=True,
+        model="pycoder-12m",
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(streamed)
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert len([p for p in pieces if p]) > 2, "the reply came in one piece"
@@ -115,8 +127,9 @@ def test_our_stop_string_ends_the_request(served):
     engine, _, _, client = served
     reply = client.completions.create(model="pycoder-12m", prompt="def add(a, b):\n", max_tokens=64, temperature=0)
     assert "\n" in reply.choices[0].text.strip("\n"), "pick a prompt whose reply has a line break"
-    stopped = client.completions.create(model="pycoder-12m", prompt="def add(a, b):\n", max_tokens=64,
-                                        temperature=0, stop=["\n"])  # fmt: skip
+    stopped = client.completions.create(
+        model="pycoder-12m", prompt="def add(a, b):\n", max_tokens=64, temperature=0, stop=["\n"]
+    )
     assert stopped.choices[0].finish_reason == "stop" and "\n" not in stopped.choices[0].text
     assert reply.choices[0].text.startswith(stopped.choices[0].text)
     assert _settles(lambda: not engine.runtime.tokenizer_manager.rid_to_state)
@@ -128,8 +141,9 @@ def test_client_disconnect_aborts_the_request_in_sglang(served):
     full = client.completions.create(model="pycoder-12m", prompt="import os\n", max_tokens=300, temperature=0)
     seconds_per_300 = time.monotonic() - started
     assert full.usage.completion_tokens == 300, "pick a prompt the model does not end early"
-    stream = client.completions.create(model="pycoder-12m", prompt="import os\n", max_tokens=900, temperature=0,
-                                       stream=True)  # fmt: skip
+    stream = client.completions.create(
+        model="pycoder-12m", prompt="import os\n", max_tokens=900, temperature=0, stream=True
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             break

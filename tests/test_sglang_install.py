@@ -211,14 +211,26 @@ def test_f_graph_capture_names_exist_upstream():
     )
     assert "init_new_workspace" in inspect.signature(ModelRunner._get_attention_backend).parameters
     runner_source = Path(inspect.getfile(ModelRunner)).read_text()
-    runner_attrs = ("init_new_workspace", "capture_tail_hooks", "decode_cuda_graph_runner", "eager_runner",
-                    "kv_index_translator")  # fmt: skip
+    runner_attrs = (
+        "init_new_workspace",
+        "capture_tail_hooks",
+        "decode_cuda_graph_runner",
+        "eager_runner",
+        "kv_index_translator",
+    )
     assert all(re.search(rf"self\.{a}\s*=", runner_source) for a in runner_attrs)
     capture_source = Path(inspect.getfile(DecodeCudaGraphRunner)).read_text()
     assert "self.model_runner.capture_tail_hooks" in capture_source  # read at capture: reassigning the list works
     worker_source = Path(inspect.getfile(DFlashWorkerV2)).read_text()
-    worker_attrs = ("_maybe_build_draft_sampler", "_draft_sampler", "draft_model_runner", "draft_parallel_layout",
-                    "selector", "lilicorr", "_is_domino")  # fmt: skip
+    worker_attrs = (
+        "_maybe_build_draft_sampler",
+        "_draft_sampler",
+        "draft_model_runner",
+        "draft_parallel_layout",
+        "selector",
+        "lilicorr",
+        "_is_domino",
+    )
     assert all(re.search(rf"self\.{a}\b", worker_source) for a in worker_attrs)
     # What a plain step stubs: the draft runner's forward, read by the argmax path over slots 1..
     assert "draft_out = self.draft_model_runner.forward(forward_batch)" in worker_source
@@ -293,8 +305,17 @@ def _stand_in_worker(monkeypatch, smallest_block: int, graph_blocks: str):
             hooks = model_runner.capture_tail_hooks
             for hook in hooks:
                 hook(self, out, SimpleNamespace(input_ids=None), 2)
-            seen.append((model_runner.name, self.width, get_spec().speculative_num_draft_tokens, worker.block_size,
-                         worker.draft_model.block_size, attn_backend, len(hooks)))  # fmt: skip
+            seen.append(
+                (
+                    model_runner.name,
+                    self.width,
+                    get_spec().speculative_num_draft_tokens,
+                    worker.block_size,
+                    worker.draft_model.block_size,
+                    attn_backend,
+                    len(hooks),
+                )
+            )
 
     def upstream_capture(self):  # DFlashWorkerV2.init_cuda_graphs at the trained block, on the stand-ins
         self._draft_sampler = _Sampler(16)
@@ -312,11 +333,22 @@ def _stand_in_worker(monkeypatch, smallest_block: int, graph_blocks: str):
     monkeypatch.setattr(worker_module, "draft_pp_context", contextlib.nullcontext)  # needs torch.distributed groups
     monkeypatch.setenv("DFLASH_SERVE_GRAPH_BLOCKS", graph_blocks)
     worker.__dict__.update(
-        _target_worker=SimpleNamespace(model_runner=target), draft_model_runner=draft, draft_model=DraftModel(),
-        draft_parallel_layout=SimpleNamespace(tp_group=None), device="cpu", trained_block_size=16, block_size=16,
-        block_policy=BlockPolicy.fixed(16), block_turns=Turns(), step_counters=StepCounters(), _pending=[],
-        block_runtimes={}, _draft_sampler=None, _logged_modes=set(), smallest_block=smallest_block,
-    )  # fmt: skip
+        _target_worker=SimpleNamespace(model_runner=target),
+        draft_model_runner=draft,
+        draft_model=DraftModel(),
+        draft_parallel_layout=SimpleNamespace(tp_group=None),
+        device="cpu",
+        trained_block_size=16,
+        block_size=16,
+        block_policy=BlockPolicy.fixed(16),
+        block_turns=Turns(),
+        step_counters=StepCounters(),
+        _pending=[],
+        block_runtimes={},
+        _draft_sampler=None,
+        _logged_modes=set(),
+        smallest_block=smallest_block,
+    )
     worker._maybe_build_draft_sampler = lambda: _Sampler(worker.block_size)  # reads the block, as upstream's
     worker.__dict__.update(worker._fresh_block_state(16))
     worker.block_states = BlockStateCache(worker, worker._fresh_block_state)
@@ -342,9 +374,11 @@ def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published
     assert sorted(worker.block_runtimes) == [4, 8, 16]
     # Each extra set: a fresh backend, captured while SGLang's config, the worker and the draft read b.
     assert seen[2:] == [
-        ("target", 4, 4, 4, 4, "target backend 1", 1), ("draft", 4, 4, 4, 4, "draft backend 1", 2),
-        ("target", 8, 8, 8, 8, "target backend 2", 1), ("draft", 8, 8, 8, 8, "draft backend 2", 2),
-    ]  # fmt: skip
+        ("target", 4, 4, 4, 4, "target backend 1", 1),
+        ("draft", 4, 4, 4, 4, "draft backend 1", 2),
+        ("target", 8, 8, 8, 8, "target backend 2", 1),
+        ("draft", 8, 8, 8, 8, "draft backend 2", 2),
+    ]
     samplers = {b: rt.draft_sampler for b, rt in worker.block_runtimes.items()}
     assert {b: (s.block, s.calls) for b, s in samplers.items()} == {4: (4, 1), 8: (8, 1), 16: (16, 1)}
     # Afterwards everything is back at the trained block.
@@ -357,19 +391,32 @@ def test_f_worker_captures_a_graph_set_per_block_and_swaps_it_per_step(published
     assert draft.kv_index_translator.bound == ["draft backend 1", "draft backend 2"]
 
     def upstream_step(self, batch, *args, **kwargs):  # what a decode step found active
-        ran.append((target.decode_cuda_graph_runner.width, draft.decode_cuda_graph_runner.width,
-                    draft.attn_backend, self._draft_sampler.block))  # fmt: skip
+        ran.append(
+            (
+                target.decode_cuda_graph_runner.width,
+                draft.decode_cuda_graph_runner.width,
+                draft.attn_backend,
+                self._draft_sampler.block,
+            )
+        )
         width = self.block_size
-        return SimpleNamespace(accept_lens=torch.tensor([1, width]), speculative_num_draft_tokens=width,
-                               can_run_cuda_graph=target.decode_cuda_graph_runner.width == width)  # fmt: skip
+        return SimpleNamespace(
+            accept_lens=torch.tensor([1, width]),
+            speculative_num_draft_tokens=width,
+            can_run_cuda_graph=target.decode_cuda_graph_runner.width == width,
+        )
 
     monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", upstream_step)
     ran = []
     for block in (8, 6, 4, 16):  # 6 has no set of its own: B's set, eager
         worker.set_block_policy(BlockPolicy.fixed(block))
         worker.forward_batch_generation(_DecodeBatch())
-    assert ran == [(8, 8, "draft backend 2", 8), (16, 16, "draft backend 16", 16),
-                   (4, 4, "draft backend 1", 4), (16, 16, "draft backend 16", 16)]  # fmt: skip
+    assert ran == [
+        (8, 8, "draft backend 2", 8),
+        (16, 16, "draft backend 16", 16),
+        (4, 4, "draft backend 1", 4),
+        (16, 16, "draft backend 16", 16),
+    ]
     graph_steps = {b: cell.graph_steps for (_, b), cell in worker.step_counters.cells.items()}
     assert graph_steps == {8: 1, 6: 0, 4: 1, 16: 1}
 
@@ -400,11 +447,19 @@ def test_f_plain_steps_verify_the_anchor_alone_without_a_draft_forward(published
         hidden = out.logits_output.hidden_states if out.logits_output is not None else None
         # Upstream's argmax path: view [bs, b, -1], slots 1.. -> none at b = 1.
         rows = hidden.view(2, self.block_size, -1)[:, 1:].reshape(-1, hidden.shape[-1]) if hidden is not None else None
-        ran.append((self.block_size, target.decode_cuda_graph_runner.width, out.can_run_graph,
-                    None if rows is None else tuple(rows.shape), self._draft_sampler))  # fmt: skip
+        ran.append(
+            (
+                self.block_size,
+                target.decode_cuda_graph_runner.width,
+                out.can_run_graph,
+                None if rows is None else tuple(rows.shape),
+                self._draft_sampler,
+            )
+        )
         commit_lens = [1, 1] if self.block_size == 1 else [2, 1]  # accepted drafts + 1
-        return SimpleNamespace(accept_lens=torch.tensor(commit_lens), speculative_num_draft_tokens=self.block_size,
-                               can_run_cuda_graph=True)  # fmt: skip
+        return SimpleNamespace(
+            accept_lens=torch.tensor(commit_lens), speculative_num_draft_tokens=self.block_size, can_run_cuda_graph=True
+        )
 
     monkeypatch.setattr(DFlashWorkerV2, "forward_batch_generation", upstream_step)
     ran = []

@@ -73,8 +73,21 @@ def test_served_dflash_output_is_the_targets_greedy_output(installed, tmp_path):
     del target
 
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "--target", str(installed), "--draft", str(tmp_path / "draft"),
-           "--port", str(port), "--controller", "false", "--dtype", "float32"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "--target",
+        str(installed),
+        "--draft",
+        str(tmp_path / "draft"),
+        "--port",
+        str(port),
+        "--controller",
+        "false",
+        "--dtype",
+        "float32",
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

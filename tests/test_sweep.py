@@ -30,16 +30,23 @@ def test_modes_take_turns_with_a_rotating_first():
 
 
 def test_repeated_passes_average_tokens_per_second_and_sum_block_time():
-    passes = [{"output_tokens_per_s": 10.0, "ttft_p50_s": 1.0, "step_seconds_by_block": {1: 2.0, 4: 1.0}},
-              {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 3.0}}]  # fmt: skip
-    assert average_passes(passes) == {"output_tokens_per_s": 15.0, "output_tokens_per_s_passes": [10.0, 20.0],
-                                      "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 5.0, 4: 1.0}}  # fmt: skip
+    passes = [
+        {"output_tokens_per_s": 10.0, "ttft_p50_s": 1.0, "step_seconds_by_block": {1: 2.0, 4: 1.0}},
+        {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 3.0}},
+    ]
+    assert average_passes(passes) == {
+        "output_tokens_per_s": 15.0,
+        "output_tokens_per_s_passes": [10.0, 20.0],
+        "ttft_p50_s": 2.0,
+        "step_seconds_by_block": {1: 5.0, 4: 1.0},
+    }
 
 
 def test_step_seconds_by_block_sums_buckets_between_scrapes():
     before = Observation(0.0, {("1", 1): (2.0, 10), ("1", 4): (1.0, 3)}, {}, {})
-    after = Observation(0.0, {("1", 1): (5.0, 20), ("2-3", 1): (1.5, 4), ("1", 4): (1.0, 3), ("2-3", 8): (0.5, 1)},
-                        {}, {})  # fmt: skip
+    after = Observation(
+        0.0, {("1", 1): (5.0, 20), ("2-3", 1): (1.5, 4), ("1", 4): (1.0, 3), ("2-3", 8): (0.5, 1)}, {}, {}
+    )
     seconds = step_seconds_by_block(before, after)
     assert seconds == {1: pytest.approx(4.5), 8: pytest.approx(0.5)}  # b = 4 did not run in between
     assert block_mix(seconds) == "b1 90%, b8 10%"
@@ -62,13 +69,37 @@ def test_comparison_ratios():
 
 def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     target, draft = served_pair_dirs
-    main(["--target", str(target), "--draft", str(draft), "--modes", "fixed:1", "fixed:4", "adaptive",
-          "--concurrency", "1", "2", "--requests-per-level", "1", "--max-tokens", "6", "--repeats", "2",
-          "--plot", str(tmp_path / "sweep.png"), "--server-logs", str(tmp_path / "logs")])  # fmt: skip
+    main(
+        [
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--modes",
+            "fixed:1",
+            "fixed:4",
+            "adaptive",
+            "--concurrency",
+            "1",
+            "2",
+            "--requests-per-level",
+            "1",
+            "--max-tokens",
+            "6",
+            "--repeats",
+            "2",
+            "--plot",
+            str(tmp_path / "sweep.png"),
+            "--server-logs",
+            str(tmp_path / "logs"),
+        ]
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["levels"]) == {"fixed:1", "fixed:4", "adaptive"}
-    assert all(len(levels) == 2 and all(level["output_tokens_per_s"] > 0 for level in levels)
-               for levels in summary["levels"].values())  # fmt: skip
+    assert all(
+        len(levels) == 2 and all(level["output_tokens_per_s"] > 0 for level in levels)
+        for levels in summary["levels"].values()
+    )
     assert len(summary["comparison"]["adaptive_vs_best_fixed"]) == 2
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
     assert "block-size policy" in (tmp_path / "logs" / "adaptive.log").read_text()  # the controller's decisions

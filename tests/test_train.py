@@ -119,9 +119,18 @@ def test_target_training_lowers_loss_and_writes_a_loadable_model(tiny_pipeline):
 
 def test_target_training_resumes_to_the_same_weights(tmp_path):
     common = dict(
-        vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-        seq_len=32, batch_size=2, steps=6, warmup_steps=2, checkpoint_every=100,
-    )  # fmt: skip
+        vocab_size=300,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seq_len=32,
+        batch_size=2,
+        steps=6,
+        warmup_steps=2,
+        checkpoint_every=100,
+    )
     corpus = Corpus.stdlib(SMALL_CORPUS)
     train_target(TargetTrainConfig(out_dir=tmp_path / "a", run_dir=tmp_path / "ra", **common), corpus)
     stopped = train_target(
@@ -157,9 +166,15 @@ def test_sampled_regeneration_does_not_depend_on_batching():
 def test_draft_training_learns_resumes_and_writes_official_format(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     common = dict(
-        target_dir=root / "target", data=(root / "data.jsonl",), block_size=8, anchors_per_sequence=8, batch_size=4,
-        epochs=8.0, lr=3e-3, checkpoint_every=4,
-    )  # fmt: skip
+        target_dir=root / "target",
+        data=(root / "data.jsonl",),
+        block_size=8,
+        anchors_per_sequence=8,
+        batch_size=4,
+        epochs=8.0,
+        lr=3e-3,
+        checkpoint_every=4,
+    )
     full = train_draft(DraftTrainConfig(out_dir=tmp_path / "a", run_dir=tmp_path / "ra", **common))
     usable = len(load_records([root / "data.jsonl"], 768))
     assert full["finished"] and full["steps"] == math.ceil(8.0 * usable / 4) >= 12
@@ -184,10 +199,20 @@ def test_draft_training_learns_resumes_and_writes_official_format(tiny_pipeline,
 def test_assistant_reuses_the_targets_tokenizer(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     cfg = TargetTrainConfig(
-        out_dir=tmp_path / "assistant", run_dir=tmp_path / "run", vocab_size=320, hidden_size=32, num_layers=1,
-        num_heads=2, num_kv_heads=1, intermediate_size=64, seq_len=32, batch_size=2, steps=2, warmup_steps=1,
+        out_dir=tmp_path / "assistant",
+        run_dir=tmp_path / "run",
+        vocab_size=320,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        seq_len=32,
+        batch_size=2,
+        steps=2,
+        warmup_steps=1,
         tokenizer=str(root / "target"),
-    )  # fmt: skip
+    )
     train_target(cfg, Corpus.stdlib(SMALL_CORPUS))
     assert (tmp_path / "assistant" / "tokenizer.json").read_text() == (root / "target" / "tokenizer.json").read_text()
     assert "assistant" in lm_card(cfg) and str(root / "target") in lm_card(cfg)
@@ -199,10 +224,22 @@ def test_cli_trains_and_writes_a_model_card(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     main(
         [
-            "draft", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), str(root / "data.jsonl"),
-            "--out", str(tmp_path / "draft"), "--run-dir", str(tmp_path / "run"), "--block-size", "4", "--epochs", "1",
+            "draft",
+            "--target",
+            str(root / "target"),
+            "--data",
+            str(root / "data.jsonl"),
+            str(root / "data.jsonl"),
+            "--out",
+            str(tmp_path / "draft"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--block-size",
+            "4",
+            "--epochs",
+            "1",
         ]
-    )  # fmt: skip
+    )
     card = (tmp_path / "draft" / "README.md").read_text()
     assert "DFlash draft" in card and "final loss" in card and "dflash-train draft --target" in card
     assert load_draft(tmp_path / "draft").block_size == 4
@@ -244,10 +281,23 @@ def test_target_training_can_start_from_a_saved_model(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     saved = TargetModel.from_pretrained(root / "target").model.state_dict()
     cfg = TargetTrainConfig(
-        out_dir=tmp_path / "more", run_dir=tmp_path / "run", vocab_size=320, hidden_size=HIDDEN, num_layers=4,
-        num_heads=4, num_kv_heads=2, intermediate_size=128, context_length=2048, seq_len=32, batch_size=2,
-        steps=1, warmup_steps=1, lr=1e-12, tokenizer=str(root / "target"), init_from=str(root / "target"),
-    )  # fmt: skip
+        out_dir=tmp_path / "more",
+        run_dir=tmp_path / "run",
+        vocab_size=320,
+        hidden_size=HIDDEN,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        context_length=2048,
+        seq_len=32,
+        batch_size=2,
+        steps=1,
+        warmup_steps=1,
+        lr=1e-12,
+        tokenizer=str(root / "target"),
+        init_from=str(root / "target"),
+    )
     train_target(cfg, Corpus.stdlib(SMALL_CORPUS))
     continued = TargetModel.from_pretrained(tmp_path / "more").model.state_dict()
     for name, tensor in saved.items():
@@ -258,8 +308,11 @@ def test_draft_training_can_start_from_a_saved_draft(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     common = dict(target_dir=root / "target", data=(root / "data.jsonl",), block_size=8, batch_size=2, epochs=0.01)
     train_draft(DraftTrainConfig(out_dir=tmp_path / "first", run_dir=tmp_path / "r1", lr=3e-3, seed=1, **common))
-    train_draft(DraftTrainConfig(out_dir=tmp_path / "more", run_dir=tmp_path / "r2", lr=1e-12,
-                                 init_from=str(tmp_path / "first"), **common))  # fmt: skip
+    train_draft(
+        DraftTrainConfig(
+            out_dir=tmp_path / "more", run_dir=tmp_path / "r2", lr=1e-12, init_from=str(tmp_path / "first"), **common
+        )
+    )
     train_draft(DraftTrainConfig(out_dir=tmp_path / "fresh", run_dir=tmp_path / "r3", lr=1e-12, **common))
     first, more, fresh = (load_draft(tmp_path / d).state_dict() for d in ("first", "more", "fresh"))
     for name, tensor in first.items():
@@ -379,11 +432,25 @@ def test_draft_training_with_a_reduced_vocabulary_writes_the_map(tiny_pipeline, 
     common = dict(target_dir=root / "target", data=(root / "data.jsonl",), block_size=4, batch_size=4, epochs=0.5)
     main(
         [
-            "draft", "--target", str(root / "target"), "--data", str(root / "data.jsonl"), "--out", str(tmp_path / "a"),
-            "--run-dir", str(tmp_path / "ra"), "--block-size", "4", "--batch-size", "4", "--epochs", "0.5",
-            "--draft-vocab-size", "16",
+            "draft",
+            "--target",
+            str(root / "target"),
+            "--data",
+            str(root / "data.jsonl"),
+            "--out",
+            str(tmp_path / "a"),
+            "--run-dir",
+            str(tmp_path / "ra"),
+            "--block-size",
+            "4",
+            "--batch-size",
+            "4",
+            "--epochs",
+            "0.5",
+            "--draft-vocab-size",
+            "16",
         ]
-    )  # fmt: skip
+    )
     summary = json.loads((tmp_path / "a" / "training.json").read_text())
     records = load_records([root / "data.jsonl"], 768)
     stops = stop_token_ids(AutoTokenizer.from_pretrained(str(root / "target")))
@@ -427,8 +494,15 @@ def test_each_rerun_gets_the_whole_time_limit(tmp_path):
     model = torch.nn.Linear(2, 2)
 
     def run() -> ResumableRun:
-        return ResumableRun(tmp_path / "checkpoint.pt", {"model": model}, torch.Generator(), total_steps=10,
-                            checkpoint_every=1, time_limit_minutes=50, name="t")  # fmt: skip
+        return ResumableRun(
+            tmp_path / "checkpoint.pt",
+            {"model": model},
+            torch.Generator(),
+            total_steps=10,
+            checkpoint_every=1,
+            time_limit_minutes=50,
+            name="t",
+        )
 
     first = run()
     first.state["seconds"] = 3600.0

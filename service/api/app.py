@@ -81,18 +81,32 @@ def build_app(
 
     admin = Depends(_check_admin_key)
 
-    @app.get("/admin/policy", dependencies=[admin], response_model=Policy, response_model_exclude_none=True,
-             responses=error_responses(401, 403))  # fmt: skip
+    @app.get(
+        "/admin/policy",
+        dependencies=[admin],
+        response_model=Policy,
+        response_model_exclude_none=True,
+        responses=error_responses(401, 403),
+    )
     async def get_policy() -> dict:
         policy = engine.policy
         return policy.to_dict()
 
-    @app.post("/admin/policy", dependencies=[admin], response_model=Policy, response_model_exclude_none=True,
-              responses=error_responses(400, 401, 403, 409))  # fmt: skip
+    @app.post(
+        "/admin/policy",
+        dependencies=[admin],
+        response_model=Policy,
+        response_model_exclude_none=True,
+        responses=error_responses(400, 401, 403, 409),
+    )
     async def set_policy(body: PolicyBody) -> dict:
         if controller is not None:  # it would replace the pushed policy within seconds
-            raise APIError(409, "the in-process controller sets this replica's policy (dflash-serve --controller); "
-                           "restart without it to push policies", code="controller_active")  # fmt: skip
+            raise APIError(
+                409,
+                "the in-process controller sets this replica's policy (dflash-serve --controller); "
+                "restart without it to push policies",
+                code="controller_active",
+            )
         try:
             policy = BlockPolicy(tuple(body.min_batch), tuple(body.block_sizes), tuple(body.alternates))
             await asyncio.to_thread(engine.set_policy, policy)  # SGLang's RPC blocks
@@ -106,16 +120,23 @@ def build_app(
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[authorized], response_model=Model,
-             responses=error_responses(401, 404))  # fmt: skip
+    @app.get(
+        "/v1/models/{model_id:path}",
+        dependencies=[authorized],
+        response_model=Model,
+        responses=error_responses(401, 404),
+    )
     async def model(model_id: str) -> dict:
         _check_model(model_id, settings)
         return card
 
     inference_errors = error_responses(400, 401, 404, 429, 500, 503)
 
-    @app.post("/v1/chat/completions", dependencies=[authorized],
-              responses={200: {"model": ChatCompletion}, **inference_errors})  # fmt: skip
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=[authorized],
+        responses={200: {"model": ChatCompletion}, **inference_errors},
+    )
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, settings)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -123,8 +144,7 @@ def build_app(
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
 
-    @app.post("/v1/completions", dependencies=[authorized],
-              responses={200: {"model": Completion}, **inference_errors})  # fmt: skip
+    @app.post("/v1/completions", dependencies=[authorized], responses={200: {"model": Completion}, **inference_errors})
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
         prompt = body.prompt
@@ -140,14 +160,20 @@ def build_app(
 ENDED_BY_SERVER = {
     "error": APIError(500, "generation failed", type="server_error"),
     # A listening client's request is aborted only when the drain timeout ran out.
-    "abort": APIError(503, "the server shut down before the completion finished", type="service_unavailable",
-                      code="draining", headers={"Retry-After": "5"}),
-}  # fmt: skip
+    "abort": APIError(
+        503,
+        "the server shut down before the completion finished",
+        type="service_unavailable",
+        code="draining",
+        headers={"Retry-After": "5"},
+    ),
+}
 """Engine finish reasons that end a request with an error (response or final event)."""
 
 
-async def _serve(request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                 kind: str, prefix: str):  # fmt: skip
+async def _serve(
+    request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, kind: str, prefix: str
+):
     app = request.app
     engine: Engine = app.state.engine
     limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
@@ -209,8 +235,9 @@ async def _metered(
             metrics.itl.observe(now - last)
             last = now
     finally:
-        metrics.observe_request(prompt_tokens=prompt_tokens, finish_reason=finish or "abort",
-                                e2e=time.perf_counter() - started)  # fmt: skip
+        metrics.observe_request(
+            prompt_tokens=prompt_tokens, finish_reason=finish or "abort", e2e=time.perf_counter() - started
+        )
         await stream.aclose()
 
 
@@ -242,9 +269,14 @@ async def _complete(request: Request, stream: AsyncIterator[Delta], meta: dict) 
     else:
         choice["text"] = text
     return {
-        "id": meta["id"], "object": meta["kind"], "created": meta["created"], "model": meta["model"],
-        "choices": [choice], "usage": _usage(last), "speculative": _spec(last),
-    }  # fmt: skip
+        "id": meta["id"],
+        "object": meta["kind"],
+        "created": meta["created"],
+        "model": meta["model"],
+        "choices": [choice],
+        "usage": _usage(last),
+        "speculative": _spec(last),
+    }
 
 
 async def _sse(stream: AsyncIterator[Delta], meta: dict, include_usage: bool) -> AsyncIterator[str]:

@@ -43,8 +43,9 @@ def error_response(error: APIError) -> JSONResponse:
 def from_engine_error(exc: Exception) -> APIError:
     """Engine refusals -> API errors (429/503 carry Retry-After)."""
     if isinstance(exc, QueueFullError):
-        return APIError(429, f"server overloaded: {exc}", type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": "1"})  # fmt: skip
+        return APIError(
+            429, f"server overloaded: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        )
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), type="service_unavailable", code="draining", headers={"Retry-After": "5"})
     if isinstance(exc, InvalidRequestError):
@@ -66,8 +67,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param)
 
 
-REFUSAL_REASONS = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "not_allowed",
-                   409: "conflict", 429: "queue_full", 503: "draining"}  # fmt: skip
+REFUSAL_REASONS = {
+    400: "invalid",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "not_allowed",
+    409: "conflict",
+    429: "queue_full",
+    503: "draining",
+}
 """The ``reason`` label of ``dflash_refused_requests_total`` per status."""
 
 

@@ -27,8 +27,9 @@ def push_to_replicas(replicas: Callable[[], list[str]], admin_key: str, timeout:
     def push(policy: BlockPolicy) -> None:
         headers = {"authorization": f"Bearer {admin_key}", "content-type": "application/json"}
         for url in replicas():
-            response = httpx2.post(url.rstrip("/") + "/admin/policy", content=policy.to_json(), timeout=timeout,
-                                   headers=headers)  # fmt: skip
+            response = httpx2.post(
+                url.rstrip("/") + "/admin/policy", content=policy.to_json(), timeout=timeout, headers=headers
+            )
             response.raise_for_status()
 
     return push
@@ -38,18 +39,24 @@ def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(prog="dflash-controller", description=__doc__.splitlines()[0])
     parser.add_argument("--replica", action="append", default=[], help="replica base URL (repeatable)")
-    parser.add_argument("--discover-replicas", metavar="PROMQL",
-                        help='find replicas through --prometheus-url: the instances this query returns with a '
-                             'positive value, e.g. \'up{job="dflash-serve"}\' (re-read before every push)')  # fmt: skip
+    parser.add_argument(
+        "--discover-replicas",
+        metavar="PROMQL",
+        help="find replicas through --prometheus-url: the instances this query returns with a "
+        "positive value, e.g. 'up{job=\"dflash-serve\"}' (re-read before every push)",
+    )
     key = parser.add_mutually_exclusive_group(required=True)
     key.add_argument("--admin-key", help="the replicas' --admin-key")
     key.add_argument("--admin-key-file", type=Path, help="file holding the admin key (e.g. a mounted secret)")
     parser.add_argument("--prometheus-url", help="read counters through PromQL instead of scraping replicas")
     parser.add_argument("--max-block-size", type=int, default=16, help="the draft's trained block")
     parser.add_argument("--interval-s", type=float, default=10.0, help="seconds between decisions")
-    parser.add_argument("--trial-interval-s", type=float,
-                        help="seconds between decisions while a trial runs (default: --interval-s; shorter "
-                             "helps only if the counters are fresher, e.g. scraping replicas directly)")  # fmt: skip
+    parser.add_argument(
+        "--trial-interval-s",
+        type=float,
+        help="seconds between decisions while a trial runs (default: --interval-s; shorter "
+        "helps only if the counters are fresher, e.g. scraping replicas directly)",
+    )
     parser.add_argument("--repush-s", type=float, default=30.0, help="re-send an unchanged policy this often")
     parser.add_argument("--half-life-s", type=float, default=60.0)
     parser.add_argument("--metrics-port", type=int, default=9400)

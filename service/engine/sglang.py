@@ -159,9 +159,15 @@ class SGLangEngine:
         block = DFlashConfig.from_file(settings.draft / "config.json").block_size if settings.draft else 1
         runtime = sglang.Engine(**server_args(settings, block))
         context = int(runtime.tokenizer_manager.context_len)
-        engine = cls(runtime, tokenizer, max_block_size=block, context_length=context,
-                     max_batch_size=settings.max_batch_size, max_waiting=settings.max_waiting,
-                     metrics=metrics)  # fmt: skip
+        engine = cls(
+            runtime,
+            tokenizer,
+            max_block_size=block,
+            context_length=context,
+            max_batch_size=settings.max_batch_size,
+            max_waiting=settings.max_waiting,
+            metrics=metrics,
+        )
         if settings.draft:
             engine.rpc("dflash_probe")  # fails loudly if the plugin is not active
             if settings.block_size:
@@ -272,8 +278,14 @@ class SGLangEngine:
                 piece = text.push(new, final=upstream_done)
                 if text.stopped:  # our stop-string match may precede SGLang's own
                     finish = "stop"
-                yield Delta(piece, new, finish, int(meta.get("prompt_tokens", len(request.prompt_ids))),
-                            int(meta.get("completion_tokens", sent)), spec_stats(meta))  # fmt: skip
+                yield Delta(
+                    piece,
+                    new,
+                    finish,
+                    int(meta.get("prompt_tokens", len(request.prompt_ids))),
+                    int(meta.get("completion_tokens", sent)),
+                    spec_stats(meta),
+                )
                 if finish is not None:
                     return
         finally:

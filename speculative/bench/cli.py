@@ -77,8 +77,14 @@ def _row(dataset: str, method: str, result: dict, baseline: dict, **extra: objec
 
 def _measured_tau(rows: list[dict], dataset: str, block_size: int) -> float | None:
     """Greedy batch-1 DFlash tau at ``block_size`` (None when not benchmarked)."""
-    found = [r["tau"] for r in rows if r["dataset"] == dataset and r["method"] == f"dflash b{block_size}"
-             and r["temperature"] == 0 and r["batch_size"] == 1]  # fmt: skip
+    found = [
+        r["tau"]
+        for r in rows
+        if r["dataset"] == dataset
+        and r["method"] == f"dflash b{block_size}"
+        and r["temperature"] == 0
+        and r["batch_size"] == 1
+    ]
     return found[0] if found else None
 
 
@@ -109,13 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["auto", *DTYPES],
-                        help="target, draft and assistant weights (auto: bf16 where it measures faster)")  # fmt: skip
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="for every method (1: off); small targets loop under plain greedy decoding")  # fmt: skip
-    parser.add_argument("--diagnose", action="store_true",
-                        help="also report target confidence, teacher-forced draft accuracy and simulated tau "
-                             "on the greedy outputs (docs/bench.md)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", *DTYPES],
+        help="target, draft and assistant weights (auto: bf16 where it measures faster)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="for every method (1: off); small targets loop under plain greedy decoding",
+    )
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also report target confidence, teacher-forced draft accuracy and simulated tau "
+        "on the greedy outputs (docs/bench.md)",
+    )
     args = parser.parse_args(argv)
     summary = benchmark(args)
     machine = summary["machine"]

@@ -109,5 +109,10 @@ def run_hf_generate(
         outputs.append(out[0, len(prompt) :].tolist())
     seconds = time.perf_counter() - start
     tokens = sum(len(o) for o in outputs)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs,
-            "distinct_4gram": distinct_ngram_ratio(outputs)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "outputs": outputs,
+        "distinct_4gram": distinct_ngram_ratio(outputs),
+    }

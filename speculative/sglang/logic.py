@@ -201,9 +201,17 @@ class StepCounters:
 
     def to_report(self) -> list[dict]:
         """JSON-ready rows (SGLang ships internal state as builtins)."""
-        return [{"batch_size": batch, "block_size": b, "steps": c.steps, "graph_steps": c.graph_steps,
-                 "seconds": c.seconds, "accepted_per_position": list(c.accepted_per_position)}
-                for (batch, b), c in sorted(self.cells.items())]  # fmt: skip
+        return [
+            {
+                "batch_size": batch,
+                "block_size": b,
+                "steps": c.steps,
+                "graph_steps": c.graph_steps,
+                "seconds": c.seconds,
+                "accepted_per_position": list(c.accepted_per_position),
+            }
+            for (batch, b), c in sorted(self.cells.items())
+        ]
 
     @classmethod
     def from_reports(cls, reports: Sequence[Sequence[dict]]) -> StepCounters:
@@ -225,9 +233,12 @@ class StepCounters:
                 before = StepCell(accepted_per_position=[0] * len(cell.accepted_per_position))
             if cell.steps > before.steps:
                 accepted = zip(cell.accepted_per_position, before.accepted_per_position, strict=True)
-                delta.cells[key] = StepCell(cell.steps - before.steps, cell.seconds - before.seconds,
-                                            [now - then for now, then in accepted],
-                                            cell.graph_steps - before.graph_steps)  # fmt: skip
+                delta.cells[key] = StepCell(
+                    cell.steps - before.steps,
+                    cell.seconds - before.seconds,
+                    [now - then for now, then in accepted],
+                    cell.graph_steps - before.graph_steps,
+                )
         return delta
 
 

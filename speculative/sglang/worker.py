@@ -114,8 +114,13 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
 
     def _current_runtime(self) -> BlockRuntime:
         target, draft = self._target_worker.model_runner, self.draft_model_runner
-        return BlockRuntime(target.attn_backend, target.decode_cuda_graph_runner, draft.attn_backend,
-                            draft.decode_cuda_graph_runner, self._draft_sampler)  # fmt: skip
+        return BlockRuntime(
+            target.attn_backend,
+            target.decode_cuda_graph_runner,
+            draft.attn_backend,
+            draft.decode_cuda_graph_runner,
+            self._draft_sampler,
+        )
 
     def _apply_runtime(self, runtime: BlockRuntime) -> None:
         target, draft = self._target_worker.model_runner, self.draft_model_runner
@@ -136,8 +141,9 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
                 target, attn_backend=target_backend, speculative_num_draft_tokens=block
             )
             if block == 1:
-                return BlockRuntime(target_backend, target_graphs, trained.draft_attn_backend,
-                                    trained.draft_graph_runner, None)  # fmt: skip
+                return BlockRuntime(
+                    target_backend, target_graphs, trained.draft_attn_backend, trained.draft_graph_runner, None
+                )
             with draft_pp_context(), draft_tp_context(self.draft_parallel_layout):
                 draft_backend = _fresh_attention_backend(draft)
                 sampler = self._maybe_build_draft_sampler()  # reads self.block_size

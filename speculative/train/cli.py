@@ -125,9 +125,14 @@ def main(argv: list[str] | None = None) -> None:
         prompts = corpus_prompts(args["prompts"], args["limit"], cfg.seed)
         made = provenance(prompts, cfg.seed) if args["prompts"] == MIXED else None
         summary = regenerate_chat_prompts(
-            args["target"], [p.text for p in prompts], args["out"], cfg, source=[p.source for p in prompts],
-            time_limit_minutes=args["time_limit_minutes"], provenance=made,
-        )  # fmt: skip
+            args["target"],
+            [p.text for p in prompts],
+            args["out"],
+            cfg,
+            source=[p.source for p in prompts],
+            time_limit_minutes=args["time_limit_minutes"],
+            provenance=made,
+        )
     else:
         paths = dict(target_dir=args["target"], data=tuple(args["data"]), out_dir=args["out"], run_dir=args["run_dir"])
         cfg = DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig))

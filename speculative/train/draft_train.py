@@ -202,8 +202,10 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
             }
             if held_out:
                 held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
-                point.update(holdout_accuracy_per_position=[round(a, 4) for a in held.tolist()],
-                             holdout_expected_tau=expected_tau(held))  # fmt: skip
+                point.update(
+                    holdout_accuracy_per_position=[round(a, 4) for a in held.tolist()],
+                    holdout_expected_tau=expected_tau(held),
+                )
             run.record(point)
             correct.zero_()
             counted.zero_()
@@ -229,8 +231,10 @@ def mask_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     vocab = tokenizer.get_vocab()
     if token not in vocab:
         special = ", ".join(str(t) for t in tokenizer.added_tokens_decoder.values())
-        raise ValueError(f"mask token {token!r} is not in the target's vocabulary: pick one of its unused special "
-                         f"tokens with --mask-token ({special})")  # fmt: skip
+        raise ValueError(
+            f"mask token {token!r} is not in the target's vocabulary: pick one of its unused special "
+            f"tokens with --mask-token ({special})"
+        )
     return vocab[token]
 
 
@@ -248,8 +252,9 @@ def feature_source(
     if not cfg.feature_store:
         return lambda _, tokens: target.forward_sequences(tokens, feature_layers=layers, logits=False).features
     stored = tuple(int(x) for x in cfg.feature_layers.split(",")) if cfg.feature_layers else layers
-    store = build_feature_store(target, records, stored, Path(cfg.feature_store),
-                                time_limit_s=cfg.time_limit_minutes * 60)  # fmt: skip
+    store = build_feature_store(
+        target, records, stored, Path(cfg.feature_store), time_limit_s=cfg.time_limit_minutes * 60
+    )
     if store is None:
         return None
     return lambda index, tokens: store.batch(index, tokens.shape[1], layers)

@@ -115,8 +115,9 @@ def build_feature_store(
         for first in shards[len(index["shards"]) :]:
             started = time.monotonic()
             name = f"features-{first // shard_records:05d}.safetensors"
-            tensors = _shard_features(target, records, range(first, min(first + shard_records, len(records))),
-                                      tuple(layer_ids), batch_tokens)  # fmt: skip
+            tensors = _shard_features(
+                target, records, range(first, min(first + shard_records, len(records))), tuple(layer_ids), batch_tokens
+            )
             save_file(tensors, str(path / name))
             index["shards"].append(name)
             index["seconds"] = round(index["seconds"] + time.monotonic() - started, 1)

@@ -28,11 +28,28 @@ VEHICLES = items("A train; A bus; A delivery van; A car; A ferry; A motorbike; A
 COLOURS = ("red", "green", "blue")
 TRIPLES = ((3, 4), (5, 12), (8, 15), (7, 24), (20, 21), (9, 40))
 CONVERSIONS = (
-    ("hours", "minutes"), ("minutes", "seconds"), ("metres", "centimetres"), ("kilograms", "grams"),
-    ("litres", "millilitres"), ("feet", "inches"), ("pounds", "ounces"), ("weeks", "days"), ("kilometres", "metres"),
-)  # fmt: skip
-FRACTIONS = (Fraction(1, 2), Fraction(1, 3), Fraction(1, 4), Fraction(1, 5), Fraction(1, 6), Fraction(1, 8),
-             Fraction(2, 5), Fraction(3, 8), Fraction(2, 7), Fraction(3, 10))  # fmt: skip
+    ("hours", "minutes"),
+    ("minutes", "seconds"),
+    ("metres", "centimetres"),
+    ("kilograms", "grams"),
+    ("litres", "millilitres"),
+    ("feet", "inches"),
+    ("pounds", "ounces"),
+    ("weeks", "days"),
+    ("kilometres", "metres"),
+)
+FRACTIONS = (
+    Fraction(1, 2),
+    Fraction(1, 3),
+    Fraction(1, 4),
+    Fraction(1, 5),
+    Fraction(1, 6),
+    Fraction(1, 8),
+    Fraction(2, 5),
+    Fraction(3, 8),
+    Fraction(2, 7),
+    Fraction(3, 10),
+)
 
 Draw = Callable[[random.Random, "Blanks"], object]
 
@@ -260,10 +277,24 @@ TEMPLATES = (
     "If {name} saves {cur}{k} a day, how many days will it take?",
 )
 
-OPENINGS = ("", "", "Solve this word problem: ", "Here's a maths question. ", "Can you help with my homework? ",
-            "Math problem: ", "Quick question: ")  # fmt: skip
-CLOSINGS = ("", "", " Show your working.", " Explain each step.", " Give the final answer on its own line.",
-            " Think it through step by step.", " Explain it simply, as if to a child.")  # fmt: skip
+OPENINGS = (
+    "",
+    "",
+    "Solve this word problem: ",
+    "Here's a maths question. ",
+    "Can you help with my homework? ",
+    "Math problem: ",
+    "Quick question: ",
+)
+CLOSINGS = (
+    "",
+    "",
+    " Show your working.",
+    " Explain each step.",
+    " Give the final answer on its own line.",
+    " Think it through step by step.",
+    " Explain it simply, as if to a child.",
+)
 
 
 class Blanks(dict):

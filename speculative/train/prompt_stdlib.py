@@ -74,10 +74,22 @@ REFACTOR = (
 )
 # One small change that breaks a function; applied to a code line free of strings and comments.
 MUTATIONS = (
-    (" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "), (" == ", " != "), (" != ", " == "),
-    (" and ", " or "), (" or ", " and "), (" + 1", " - 1"), (" - 1", " + 1"), ("return True", "return False"),
-    ("return False", "return True"), (" is None", " is not None"), (" is not None", " is None"), (" not in ", " in "),
-)  # fmt: skip
+    (" < ", " <= "),
+    (" <= ", " < "),
+    (" > ", " >= "),
+    (" >= ", " > "),
+    (" == ", " != "),
+    (" != ", " == "),
+    (" and ", " or "),
+    (" or ", " and "),
+    (" + 1", " - 1"),
+    (" - 1", " + 1"),
+    ("return True", "return False"),
+    ("return False", "return True"),
+    (" is None", " is not None"),
+    (" is not None", " is None"),
+    (" not in ", " in "),
+)
 
 MODULE_TASKS = (
     "Summarise what the Python module `{qualname}` is for, based on its documentation:\n\n{excerpt}",

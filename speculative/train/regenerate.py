@@ -178,8 +178,10 @@ def regenerate_chat_prompts(
     started = time.monotonic()
     new_tokens = 0
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f, tqdm(total=len(fits), initial=len(done), desc="regenerate", unit="prompt",
-                                   mininterval=10) as progress:  # fmt: skip
+    with (
+        path.open("a") as f,
+        tqdm(total=len(fits), initial=len(done), desc="regenerate", unit="prompt", mininterval=10) as progress,
+    ):
         for record in regenerate_stream(target, todo, stop, config, draft):
             record.update(prompt=prompts[record["id"]], source=sources[record["id"]])
             f.write(json.dumps(record) + "\n")
