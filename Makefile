@@ -39,6 +39,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(PY) -m mypy
 
 # A real Prometheus server for the controller test (Debian's package; skipped where it cannot be installed).
 system-deps:

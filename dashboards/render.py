@@ -11,6 +11,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import matplotlib
@@ -21,13 +22,15 @@ import matplotlib.pyplot as plt
 DASHBOARD = Path(__file__).with_name("dflash.json")
 
 
-def promql(expr: str, rate_window: str = "1m") -> str:
+def promql(expr: str, rate_window: str = "1m", range_window: str = "1h") -> str:
     """A dashboard expression as Prometheus runs it: Grafana's variables filled
-    with "everything" and ``$__rate_interval`` with ``rate_window``."""
-    return expr.replace("$__rate_interval", rate_window).replace('"$model"', '".*"').replace('"$instance"', '".*"')
+    with "everything", ``$__rate_interval`` with ``rate_window`` and
+    ``$__range`` (the dashboard's time range) with ``range_window``."""
+    filled = expr.replace("$__rate_interval", rate_window).replace("$__range", range_window)
+    return filled.replace('"$model"', '".*"').replace('"$instance"', '".*"')
 
 
-def panels(dashboard: Path = DASHBOARD) -> list[dict]:
+def panels(dashboard: Path = DASHBOARD) -> list[dict[str, Any]]:
     """The dashboard's data panels (rows left out)."""
     return [p for p in json.loads(dashboard.read_text())["panels"] if p["type"] != "row"]
 
@@ -37,14 +40,15 @@ def legend(template: str, labels: dict[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), template) or str(labels)
 
 
-def query_range(base_url: str, expr: str, start: float, end: float, step: float) -> list[dict]:
+def query_range(base_url: str, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
     response = httpx2.get(
         base_url.rstrip("/") + "/api/v1/query_range",
         params={"query": expr, "start": start, "end": end, "step": step},
         timeout=30,
     )
     response.raise_for_status()
-    return response.json()["data"]["result"]
+    result: list[dict[str, Any]] = response.json()["data"]["result"]
+    return result
 
 
 def render(base_url: str, out_dir: Path, start: float, end: float, rate_window: str = "1m") -> list[Path]:

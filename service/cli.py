@@ -17,11 +17,10 @@ from transformers import AutoTokenizer
 
 from service.api.app import build_app
 from service.config import ServeSettings
-from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
-from service.controller.profile import profile_step_times
+from service.controller.settings import ControllerSettings
 from service.controller.source import observation_from_collectors
-from service.engine import Engine, NativeEngine, engine_class
+from service.engine import Engine, engine_class
 from service.metrics import Metrics
 
 
@@ -81,17 +80,19 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point: every ``ServeSettings`` field is a flag."""
-    settings = ServeSettings(_cli_parse_args=sys.argv[1:] if argv is None else argv, _cli_kebab_case=True)
+    # pydantic-settings takes its source options as init keywords that the typed
+    # signature (the model's fields) does not list.
+    settings = ServeSettings(_cli_parse_args=sys.argv[1:] if argv is None else argv, _cli_kebab_case=True)  # type: ignore[call-arg]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics = Metrics()
     engine, tokenizer = build_engine(settings, metrics)
     decision = ControllerSettings(max_block_size=engine.max_block_size)
-    if settings.profile_startup and isinstance(engine, NativeEngine) and engine.max_block_size > 1:
+    metrics.declare_blocks(decision.allowed)
+    if settings.profile_startup and engine.max_block_size > 1:
         # As many steps per cell as the controller needs to trust a step time.
         batch_sizes = sorted({b for b in (1, 2, 4, 8, 16) if b < settings.max_batch_size} | {settings.max_batch_size})
-        profile_step_times(
-            engine.session, metrics.observe_step_time, batch_sizes=batch_sizes, steps=math.ceil(decision.min_steps)
-        )
+        for stats, seconds in engine.profile_steps(batch_sizes, math.ceil(decision.min_steps)) or ():
+            metrics.observe_profile_step(stats, seconds)
     controller = in_process_controller(engine, metrics, settings, decision) if settings.controller else None
     app = build_app(settings, engine, tokenizer, metrics, controller)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=5)

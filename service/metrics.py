@@ -1,6 +1,7 @@
-"""Every Prometheus object of the service, fed from engine ``RoundStats`` and
-request timings. Only raw counters, histograms and gauges are exported; rates
-and ratios are derived in PromQL (the dashboards use exactly these):
+"""Every Prometheus object of the service (named in ``service.metric_names``),
+fed from engine ``RoundStats`` and request timings. Only raw counters,
+histograms and gauges are exported; rates and ratios are derived in PromQL
+(the dashboards use exactly these):
 
 Mean acceptance length (tokens committed per verify round and request; add
 ``by (block_size)`` to every sum for one curve per block size):
@@ -12,12 +13,16 @@ only rows that verified a draft at position k count in the denominator):
       / rate(dflash_verified_tokens_per_position_total{position="k"}[5m])
 Draft acceptance rate:
     sum(rate(dflash_accepted_tokens_total[5m])) / sum(rate(dflash_draft_tokens_total[5m]))
-Estimated speedup over plain decoding (tokens per second of a step versus a
-b=1 step at the same batch bucket), e.g. for bucket "1":
-    (sum(rate(dflash_generation_tokens_total[5m]))
-      / sum(rate(dflash_step_seconds_sum[5m])))
-    / (sum(rate(dflash_step_seconds_count{block_size="1",batch_bucket="1"}[5m]))
-      / sum(rate(dflash_step_seconds_sum{block_size="1",batch_bucket="1"}[5m])))
+Achieved speedup over plain decoding per batch bucket (``ACHIEVED_SPEEDUP``
+below): tokens output per second of serving step time, at whatever blocks
+ran, over plain decoding's tokens per second at the same bucket. A plain step
+commits one token per row, so plain decoding's rate is rows per second of
+b = 1 steps: the served ones in the window (plain steps, the controller's
+paired trials) where there are any, else the start-up profile's (cumulative:
+it ran once). Assumes the bucket's mix of batch sizes and contexts is alike
+in both (true for served b = 1 steps; the profile uses short random prompts).
+Fleet-wide (``FLEET_ACHIEVED_SPEEDUP``): the time plain decoding would have
+taken for the tokens each bucket output, summed, over the time it took.
 Refused requests per second by reason (queue_full = 429, draining = 503,
 invalid = 400, ...):
     sum by (reason) (rate(dflash_refused_requests_total[1m]))
@@ -27,20 +32,131 @@ Step time by block size and batch bucket (the controller's cost model):
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Iterable
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service import metric_names as names
+from service.metric_names import BUCKETS
+from service.metric_names import batch_bucket as batch_bucket  # re-exported: the label of a batch size
 from speculative.session import RoundStats
+
+
+def _series(name: str, selector: str, *labels: str) -> str:
+    """``name{selector, labels}`` (either part may be empty)."""
+    inside = ", ".join(part for part in (selector, *labels) if part)
+    return f"{name}{{{inside}}}" if inside else name
+
+
+def _plain_rate(window: str, selector: str) -> str:
+    b1 = 'block_size="1"'
+    rows, seconds = f"{names.SERVED_STEP_ROWS}_total", f"{names.SERVED_STEP_SECONDS}_total"
+    served = (
+        f"sum by (batch_bucket) (rate({_series(rows, selector, b1)}[{window}]))"
+        f" / sum by (batch_bucket) (rate({_series(seconds, selector, b1)}[{window}]))"
+    )
+    rows, seconds = f"{names.PROFILE_STEP_ROWS}_total", f"{names.PROFILE_STEP_SECONDS}_total"
+    profiled = (
+        f"sum by (batch_bucket) ({_series(rows, selector, b1)})"
+        f" / sum by (batch_bucket) ({_series(seconds, selector, b1)})"
+    )
+    return f"(({served}) > 0 or ({profiled}))"
+
+
+def achieved_speedup_promql(window: str = "5m", selector: str = "") -> str:
+    """PromQL of the achieved speedup per ``batch_bucket`` over ``window``, of
+    the series ``selector`` picks (e.g. ``instance="a:8000"``; empty: all)."""
+    tokens, seconds = f"{names.STEP_OUTPUT_TOKENS}_total", f"{names.SERVED_STEP_SECONDS}_total"
+    delivered = (
+        f"sum by (batch_bucket) (rate({_series(tokens, selector)}[{window}]))"
+        f" / sum by (batch_bucket) (rate({_series(seconds, selector)}[{window}]))"
+    )
+    return f"({delivered}) / on (batch_bucket) {_plain_rate(window, selector)}"
+
+
+def fleet_achieved_speedup_promql(window: str = "1h", selector: str = "") -> str:
+    """PromQL of the fleet-wide achieved speedup over ``window``: the seconds
+    plain decoding would have needed for each bucket's tokens, summed, over the
+    serving seconds of the buckets that have a plain-decoding rate."""
+    plain = _plain_rate(window, selector)
+    tokens, seconds = f"{names.STEP_OUTPUT_TOKENS}_total", f"{names.SERVED_STEP_SECONDS}_total"
+    plain_seconds = (
+        f"sum by (batch_bucket) (increase({_series(tokens, selector)}[{window}])) / on (batch_bucket) {plain}"
+    )
+    served = f"sum by (batch_bucket) (increase({_series(seconds, selector)}[{window}])) and on (batch_bucket) {plain}"
+    return f"sum({plain_seconds}) / sum({served})"
+
+
+ACHIEVED_SPEEDUP = achieved_speedup_promql()
+FLEET_ACHIEVED_SPEEDUP = fleet_achieved_speedup_promql()
+
+
+SpeedupCounters = dict[tuple[str, str, str], float]
+"""Counter values (or their increase over a window) keyed (metric name, block size, batch bucket)."""
+PROFILE_COUNTERS = (names.PROFILE_STEP_SECONDS, names.PROFILE_STEP_ROWS)
+SPEEDUP_COUNTERS = (names.SERVED_STEP_SECONDS, names.SERVED_STEP_ROWS, names.STEP_OUTPUT_TOKENS, *PROFILE_COUNTERS)
+
+
+def speedup_counters(exposition: str) -> SpeedupCounters:
+    """The achieved speedup's counters on a ``/metrics`` page (none on a server
+    that does not export them)."""
+    counters = {}
+    for family in text_string_to_metric_families(exposition):
+        if family.name in SPEEDUP_COUNTERS:
+            for sample in family.samples:
+                if sample.name == family.name + "_total":
+                    counters[(family.name, sample.labels["block_size"], sample.labels["batch_bucket"])] = sample.value
+    return counters
+
+
+def counters_between(before: SpeedupCounters, after: SpeedupCounters) -> SpeedupCounters:
+    """What serving added between two scrapes; the start-up profile's counters
+    stay whole (it ran once, before serving), as the PromQL reads them."""
+    return {key: value if key[0] in PROFILE_COUNTERS else value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def _total(counters: SpeedupCounters, metric: str, bucket: str, block: str | None = None) -> float:
+    return sum(v for (m, b, k), v in counters.items() if m == metric and k == bucket and block in (None, b))
+
+
+def plain_rates(counters: SpeedupCounters) -> dict[str, float]:
+    """Plain decoding's output tokens (= rows) per step-second per bucket: its
+    served b = 1 steps where there are any, else the start-up profile's."""
+    rates = {}
+    for bucket in sorted({k for _, _, k in counters}):
+        for rows, seconds in ((names.SERVED_STEP_ROWS, names.SERVED_STEP_SECONDS), PROFILE_COUNTERS[::-1]):
+            if _total(counters, seconds, bucket, "1") > 0 and _total(counters, rows, bucket, "1") > 0:
+                rates[bucket] = _total(counters, rows, bucket, "1") / _total(counters, seconds, bucket, "1")
+                break
+    return rates
+
+
+def achieved_speedup(counters: SpeedupCounters) -> dict[str, float]:
+    """The achieved speedup per bucket, as ``ACHIEVED_SPEEDUP`` computes it;
+    buckets without a plain-decoding rate or serving steps are left out."""
+    speedups = {}
+    for bucket, plain in plain_rates(counters).items():
+        seconds = _total(counters, names.SERVED_STEP_SECONDS, bucket)
+        if seconds > 0:
+            speedups[bucket] = _total(counters, names.STEP_OUTPUT_TOKENS, bucket) / seconds / plain
+    return speedups
+
+
+def overall_achieved_speedup(counters: SpeedupCounters) -> float | None:
+    """All buckets together, as ``FLEET_ACHIEVED_SPEEDUP`` computes it: the
+    seconds plain decoding would have needed for each bucket's output, summed,
+    over the serving seconds it took (None without a plain-decoding rate)."""
+    plain = plain_rates(counters)
+    seconds = sum(_total(counters, names.SERVED_STEP_SECONDS, bucket) for bucket in plain)
+    if seconds <= 0:
+        return None
+    needed = sum(_total(counters, names.STEP_OUTPUT_TOKENS, bucket) / rate for bucket, rate in plain.items())
+    return needed / seconds
+
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-def batch_bucket(batch_size: int) -> str:
-    """Power-of-two batch-size bucket label: "1", "2-3", "4-7", ..., "64+"."""
-    if batch_size >= 64:
-        return "64+"
-    low = 1 << (batch_size.bit_length() - 1)
-    return "1" if low == 1 else f"{low}-{2 * low - 1}"
 
 
 class Metrics:
@@ -50,63 +166,88 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.verify_steps = Counter(
-            "dflash_verify_steps", "Engine steps (one draft + one target forward)", ["block_size"], registry=r
+            names.VERIFY_STEPS, "Engine steps (one draft + one target forward)", ["block_size"], registry=r
         )
         self.verify_rows = Counter(
-            "dflash_verify_rows", "Row-rounds verified (requests x steps)", ["block_size"], registry=r
+            names.VERIFY_ROWS, "Row-rounds verified (requests x steps)", ["block_size"], registry=r
         )
-        self.draft_tokens = Counter("dflash_draft_tokens", "Drafted tokens verified", ["block_size"], registry=r)
-        self.accepted_tokens = Counter("dflash_accepted_tokens", "Drafted tokens accepted", ["block_size"], registry=r)
+        self.draft_tokens = Counter(names.DRAFT_TOKENS, "Drafted tokens verified", ["block_size"], registry=r)
+        self.accepted_tokens = Counter(names.ACCEPTED_TOKENS, "Drafted tokens accepted", ["block_size"], registry=r)
         self.accepted_per_position = Counter(
-            "dflash_accepted_tokens_per_position", "Drafts accepted at block position", ["position"], registry=r
+            names.ACCEPTED_PER_POSITION, "Drafts accepted at block position", ["position"], registry=r
         )
         self.verified_per_position = Counter(
-            "dflash_verified_tokens_per_position", "Drafts verified at block position", ["position"], registry=r
+            names.VERIFIED_PER_POSITION, "Drafts verified at block position", ["position"], registry=r
         )
         self.step_seconds = Histogram(
-            "dflash_step_seconds", "Engine step time", ["block_size", "batch_bucket"], buckets=STEP_BUCKETS, registry=r
+            names.STEP_SECONDS, "Engine step time", ["block_size", "batch_bucket"], buckets=STEP_BUCKETS, registry=r
         )
-        self.block_size = Gauge("dflash_block_size", "Block size of the latest step", registry=r)
-        self.running = Gauge("dflash_running_requests", "Requests being decoded", registry=r)
-        self.waiting = Gauge("dflash_waiting_requests", "Requests waiting for a slot", registry=r)
-        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens (as produced)", registry=r)
-        self.requests = Counter("dflash_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.block_size = Gauge(names.BLOCK_SIZE, "Block size of the latest step", registry=r)
+        cell = ["block_size", "batch_bucket"]
+        self.served_seconds = Counter(
+            names.SERVED_STEP_SECONDS, "Step seconds while serving (not the start-up profile)", cell, registry=r
+        )
+        self.served_rows = Counter(names.SERVED_STEP_ROWS, "Rows stepped while serving", cell, registry=r)
+        self.output_tokens = Counter(
+            names.STEP_OUTPUT_TOKENS, "Tokens serving steps gave requests (accepted drafts + bonus)", cell, registry=r
+        )
+        self.profile_seconds = Counter(names.PROFILE_STEP_SECONDS, "Start-up profile step seconds", cell, registry=r)
+        self.profile_rows = Counter(names.PROFILE_STEP_ROWS, "Rows stepped by the start-up profile", cell, registry=r)
+        self.running = Gauge(names.RUNNING_REQUESTS, "Requests being decoded", registry=r)
+        self.waiting = Gauge(names.WAITING_REQUESTS, "Requests waiting for a slot", registry=r)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS, "Generated tokens (as produced)", registry=r)
+        self.requests = Counter(names.REQUESTS, "Finished requests", ["finish_reason"], registry=r)
         self.refused = Counter(
-            "dflash_refused_requests", "Requests refused before decoding, by reason", ["reason"], registry=r
+            names.REFUSED_REQUESTS, "Requests refused before decoding, by reason", ["reason"], registry=r
         )
-        self.ttft = Histogram(
-            "dflash_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(
-            "dflash_inter_token_latency_seconds",
+            names.INTER_TOKEN_LATENCY,
             "Time between a request's output deltas",
             buckets=STEP_BUCKETS,
             registry=r,
         )
-        self.e2e = Histogram(
-            "dflash_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.e2e = Histogram(names.E2E_REQUEST_LATENCY, "Request latency", buckets=LATENCY_BUCKETS, registry=r)
+
+    def declare_blocks(self, block_sizes: Iterable[int]) -> None:
+        """Export the serving counters of these blocks at every bucket at zero
+        before any step runs: Prometheus then sees each series start from 0, so
+        ``rate()`` over a run's first seconds is exact instead of extrapolated
+        from whatever the first scrape caught."""
+        for b in block_sizes:
+            for bucket in BUCKETS:
+                for counter in (self.served_seconds, self.served_rows, self.output_tokens):
+                    counter.labels(str(b), bucket)
 
     def controller_inputs(self) -> tuple[Histogram, Counter, Counter]:
         """The metrics the block-size controller reads (step time per cell,
         acceptance per position)."""
         return self.step_seconds, self.accepted_per_position, self.verified_per_position
 
-    def observe_step(self, stats: RoundStats, seconds: float) -> None:
-        """Account one engine step (called on the scheduler thread)."""
-        self.observe_steps(stats, seconds, 1)
+    def observe_step(self, stats: RoundStats, seconds: float, output_tokens: int | None = None) -> None:
+        """Account one engine step (called on the scheduler thread); its rows
+        output ``output_tokens`` (after cuts at stops and length limits)."""
+        self.observe_steps(stats, seconds, 1, output_tokens)
 
-    def observe_steps(self, stats: RoundStats, seconds: float, steps: int) -> None:
+    def observe_steps(self, stats: RoundStats, seconds: float, steps: int, output_tokens: int | None = None) -> None:
         """Account ``steps`` steps of one batch size and block size, summed in
         ``stats`` (per-position counts) and ``seconds`` (engines that report
         aggregates, e.g. SGLang's schedulers; each step is observed at the mean
-        time, so the histogram's sum and count are exact)."""
+        time, so the histogram's sum and count are exact). Without
+        ``output_tokens``: every row's accepted drafts and bonus token (what it
+        committed; a request's last round may commit a few past its end)."""
         b = str(stats.block_size)
+        bucket = batch_bucket(stats.batch_size)
         self.verify_steps.labels(b).inc(steps)
         self.verify_rows.labels(b).inc(stats.batch_size * steps)
         for _ in range(steps):
-            self.observe_step_time(stats, seconds / steps)
+            self._observe_step_time(stats, seconds / steps)
+        self.served_seconds.labels(b, bucket).inc(seconds)
+        self.served_rows.labels(b, bucket).inc(stats.batch_size * steps)
+        if output_tokens is None:
+            output_tokens = sum(stats.accepted_per_position) + stats.batch_size * steps
+        self.output_tokens.labels(b, bucket).inc(output_tokens)
         self.block_size.set(stats.block_size)
         if stats.block_size > 1:
             self.draft_tokens.labels(b).inc(sum(stats.verified_per_position))
@@ -117,8 +258,16 @@ class Metrics:
                 self.accepted_per_position.labels(str(k)).inc(accepted)
                 self.verified_per_position.labels(str(k)).inc(verified)
 
-    def observe_step_time(self, stats: RoundStats, seconds: float) -> None:
-        """Account a step's time only (start-up profile: its acceptance is not real)."""
+    def observe_profile_step(self, stats: RoundStats, seconds: float) -> None:
+        """Account a start-up profile step: its time (the controller's first
+        observation of the step histogram is the profile) and, for the achieved
+        speedup, its rows; its acceptance on random prompts is not real."""
+        self._observe_step_time(stats, seconds)
+        labels = (str(stats.block_size), batch_bucket(stats.batch_size))
+        self.profile_seconds.labels(*labels).inc(seconds)
+        self.profile_rows.labels(*labels).inc(stats.batch_size)
+
+    def _observe_step_time(self, stats: RoundStats, seconds: float) -> None:
         self.step_seconds.labels(str(stats.block_size), batch_bucket(stats.batch_size)).observe(seconds)
 
     def observe_request(self, *, prompt_tokens: int, finish_reason: str, e2e: float) -> None:

@@ -15,10 +15,25 @@ cache holds in the same slot: both are filled from the same target forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+
+class _KVLayer(Protocol):
+    """A filled attention layer of a cache: keys and values [B, kvh, T, d]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _layers(cache: DynamicCache) -> list[_KVLayer]:
+    """``cache``'s layers. These caches start empty and get one attention layer
+    (``DynamicLayer`` or ``GrowingLayer``) per decoder layer on its first update,
+    so every layer holds tensors; transformers types them as possibly empty."""
+    return cast(list[_KVLayer], cache.layers)
 
 
 @dataclass
@@ -58,7 +73,7 @@ class RaggedBatch:
         order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)[:, self.num_slots - keep :]
         self.slot_positions = self.slot_positions.gather(1, order)
         for cache in self._caches():
-            for layer in cache.layers:
+            for layer in _layers(cache):
                 index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
                 layer.keys = layer.keys.gather(2, index)
                 layer.values = layer.values.gather(2, index.expand(-1, -1, -1, layer.values.shape[-1]))
@@ -72,12 +87,12 @@ class RaggedBatch:
             if pad:
                 side.slot_positions = F.pad(side.slot_positions, (pad, 0), value=-1)
                 for cache in side._caches():
-                    for layer in cache.layers:
+                    for layer in _layers(cache):
                         layer.keys = F.pad(layer.keys, (0, 0, pad, 0))
                         layer.values = F.pad(layer.values, (0, 0, pad, 0))
         self.slot_positions = torch.cat([self.slot_positions, other.slot_positions])
         for mine, theirs in zip(self._caches(), other._caches(), strict=True):
-            for a, b in zip(mine.layers, theirs.layers, strict=True):
+            for a, b in zip(_layers(mine), _layers(theirs), strict=True):
                 a.keys = torch.cat([a.keys, b.keys])
                 a.values = torch.cat([a.values, b.values])
 
@@ -85,7 +100,7 @@ class RaggedBatch:
         """Keep only ``rows`` (indices into the batch), freeing the others' caches."""
         self.slot_positions = self.slot_positions[rows]
         for cache in self._caches():
-            for layer in cache.layers:
+            for layer in _layers(cache):
                 layer.keys = layer.keys[rows]
                 layer.values = layer.values[rows]
 
@@ -93,7 +108,7 @@ class RaggedBatch:
         """Drop the cache columns from ``num_slots`` on (undo appends not kept)."""
         self.slot_positions = self.slot_positions[:, :num_slots]
         for cache in self._caches():
-            for layer in cache.layers:
+            for layer in _layers(cache):
                 layer.keys = layer.keys[:, :, :num_slots]
                 layer.values = layer.values[:, :, :num_slots]
 
@@ -109,4 +124,4 @@ def append_draft_context(cache: DynamicCache, context: list[tuple[torch.Tensor, 
 
 def draft_context(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer cached context (k, v) of the draft."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(layer.keys, layer.values) for layer in _layers(cache)]

@@ -11,6 +11,8 @@ assigns ``keys``/``values`` as before; the next append reallocates with room.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -19,14 +21,14 @@ MIN_CAPACITY = 64
 """Slots allocated at least when a layer grows."""
 
 
-class GrowingLayer(DynamicLayer):
+class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' CacheLayerMixin.__init_subclass__ is unannotated
     """A ``DynamicLayer`` whose ``update`` writes into spare capacity."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._used = {"keys": 0, "values": 0}  # kept apart: callers assign keys and values one at a time
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]  # transformers' CacheLayerMixin.__init__ is unannotated
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -49,7 +51,7 @@ class GrowingLayer(DynamicLayer):
         self._used["values"] = _slots(tensor)
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` [B, kvh, n, d]; returns all cached keys and values."""
         if not self.is_initialized:
@@ -57,18 +59,16 @@ class GrowingLayer(DynamicLayer):
         used, new = self._used["keys"], key_states.shape[-2]
         if self._used["values"] != used:
             raise RuntimeError(f"cache layer holds {used} keys but {self._used['values']} values")
-        if (
-            self._keys.dim() < 4
-            or self._values.dim() < 4
-            or used + new > min(self._keys.shape[-2], self._values.shape[-2])
-        ):
+        keys, values = self._keys, self._values
+        assert keys is not None and values is not None  # lazy_initialization assigned both
+        if keys.dim() < 4 or values.dim() < 4 or used + new > min(keys.shape[-2], values.shape[-2]):
             capacity = max(MIN_CAPACITY, 2 * (used + new))
-            self._keys = _grown(self._keys, key_states, used, capacity)
-            self._values = _grown(self._values, value_states, used, capacity)
-        self._keys[:, :, used : used + new] = key_states
-        self._values[:, :, used : used + new] = value_states
+            self._keys = keys = _grown(keys, key_states, used, capacity)
+            self._values = values = _grown(values, value_states, used, capacity)
+        keys[:, :, used : used + new] = key_states
+        values[:, :, used : used + new] = value_states
         self._used = {"keys": used + new, "values": used + new}
-        return self.keys, self.values
+        return keys[:, :, : used + new], values[:, :, : used + new]
 
 
 def _slots(tensor: torch.Tensor | None) -> int:

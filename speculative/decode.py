@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, TypeVar, get_args
 
 from speculative.context import ContextLengthExceeded, check_context
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import GREEDY, SamplingParams
-from speculative.session import DecodeSession, RoundStats, check_pair
+from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, Proposal, RoundStats, check_pair
 from speculative.target import TargetModel
 
 __all__ = ["DecodeConfig", "GenerationResult", "RoundStats", "check_pair", "emit_tokens", "spec_generate"]
+
+_Row = TypeVar("_Row", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,15 @@ class DecodeConfig:
     block_size: int = 16
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
-    proposal: Literal["argmax", "sample"] = "argmax"
-    compact_slack: int = 64
+    proposal: Proposal = "argmax"
+    compact_slack: int = DEFAULT_COMPACT_SLACK
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.proposal not in ("argmax", "sample"):
+        if self.proposal not in get_args(Proposal):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.compact_slack < 0:
             raise ValueError(f"compact_slack must be >= 0, got {self.compact_slack}")
@@ -95,7 +97,7 @@ def spec_generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)
     first = session.add(list(range(len(prompts))), prompts, params)
-    finished = emit_tokens(outputs, reasons, {row: [token] for row, token in first.items()}, config)
+    finished: list[int] = emit_tokens(outputs, reasons, {row: [token] for row, token in first.items()}, config)
     result = GenerationResult(tokens=outputs, finish_reasons=reasons)
     while True:
         session.remove(finished)
@@ -134,16 +136,17 @@ def _check_inputs(
 
 
 def emit_tokens(
-    outputs: MutableMapping[Hashable, list[int]] | list[list[int]],
-    reasons: MutableMapping[Hashable, str] | list[str],
-    new: Mapping[Hashable, list[int]],
+    outputs: MutableMapping[_Row, list[int]] | list[list[int]],
+    reasons: MutableMapping[_Row, str] | list[str],
+    new: Mapping[Any, list[int]],
     config: DecodeConfig,
-) -> list[Hashable]:
+) -> list[_Row]:
     """Append each row's new tokens, cut at a stop token or the length limit;
     returns the rows that finished (``reasons[row]`` says "stop", else it stays
-    as the caller set it)."""
+    as the caller set it). ``new``'s keys index ``outputs`` and ``reasons``: the
+    session's row keys, which are list indices when those are lists (hence ``Any``)."""
     stop = set(config.stop_token_ids)
-    finished = []
+    finished: list[_Row] = []
     for row, tokens in new.items():
         kept, finish = cut_at_stop(tokens, config.max_new_tokens - len(outputs[row]), stop)
         outputs[row].extend(kept)

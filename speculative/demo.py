@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
@@ -46,7 +47,7 @@ def build_demo_pair(seed: int, train_steps: int) -> tuple[TargetModel, DFlashDra
     only the trained-on prompts show high acceptance; the trained bundled pair
     (a later milestone) is what measures real, held-out acceptance."""
     torch.manual_seed(seed)
-    arch = dict(
+    arch: dict[str, Any] = dict(
         vocab_size=DEMO_VOCAB,
         hidden_size=256,
         intermediate_size=768,
@@ -59,7 +60,7 @@ def build_demo_pair(seed: int, train_steps: int) -> tuple[TargetModel, DFlashDra
     model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=6, tie_word_embeddings=False, **arch))
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # random weights give near-flat logits otherwise
-    target = TargetModel(model.eval())
+    target = TargetModel(model.eval())  # type: ignore[no-untyped-call]  # transformers' eval is unannotated
     draft_raw = dict(
         arch,
         model_type="qwen3",
@@ -92,7 +93,9 @@ def load_pair(
     return TargetModel.from_pretrained(target_path), load_draft(draft_path), {"prompts": ids}
 
 
-def run(target: TargetModel, draft: DFlashDraftModel, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def run(
+    target: TargetModel, draft: DFlashDraftModel, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
     """Decode ``prompts`` at batch 1 with plain decoding and each block size;
     print a table and return the figures."""
     rows = []
@@ -119,7 +122,13 @@ def run(target: TargetModel, draft: DFlashDraftModel, prompts: list[list[int]], 
     return {"baseline_tokens_per_s": base_tps, "results": rows}
 
 
-def _timed(target, draft, prompts, config, sampling: SamplingParams) -> tuple[GenerationResult, float]:
+def _timed(
+    target: TargetModel,
+    draft: DFlashDraftModel | None,
+    prompts: list[list[int]],
+    config: DecodeConfig,
+    sampling: SamplingParams,
+) -> tuple[GenerationResult, float]:
     start = time.perf_counter()
     result = GenerationResult(tokens=[], finish_reasons=[])
     for prompt in prompts:  # batch 1, as the paper's latency numbers

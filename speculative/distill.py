@@ -33,6 +33,7 @@ def distill_draft(
         raise ValueError("sequences need at least two response tokens")
     generator = torch.Generator().manual_seed(seed)
     features = target.forward_sequences(sequences, feature_layers=draft.config.target_layer_ids).features
+    assert features is not None  # the forward captured the draft's layers
     for p in target.model.parameters():
         p.requires_grad_(False)
     draft.train()
@@ -49,7 +50,7 @@ def distill_draft(
             draft, target, sequences[rows], features[rows], lengths, anchors, valid, default_gamma(draft.block_size)
         )
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        out.loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         scheduler.step()

@@ -16,6 +16,9 @@ output stays exactly the target's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,7 +67,8 @@ class DraftAttention(nn.Module):
         arch = config.architecture
         self.head_dim = int(getattr(arch, "head_dim", None) or arch.hidden_size // arch.num_attention_heads)
         self.num_heads = int(arch.num_attention_heads)
-        self.num_kv_heads = int(arch.num_key_value_heads)
+        # Qwen3Config replaces a missing num_key_value_heads by num_attention_heads.
+        self.num_kv_heads = int(cast(int, arch.num_key_value_heads))
         self.attention = config.layer_attention[layer_idx]
         bias = bool(arch.attention_bias)
         self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=bias)
@@ -93,7 +97,8 @@ class DraftAttention(nn.Module):
         keys = torch.cat([context_k, k], dim=2)
         values = torch.cat([context_v, v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        return projected
 
 
 class DraftLayer(nn.Module):
@@ -103,7 +108,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         arch = config.architecture
         self.self_attn = DraftAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(arch)
+        self.mlp = Qwen3MLP(arch)  # type: ignore[no-untyped-call]  # transformers' Qwen3MLP.__init__ is unannotated
         self.input_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
@@ -116,7 +121,8 @@ class DraftLayer(nn.Module):
         mask: torch.Tensor,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, context_k, context_v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
+        return out
 
 
 class DFlashDraftModel(nn.Module):
@@ -140,8 +146,8 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=arch.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(arch)
-        self._fused: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
-        self._head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self._fused: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None] | None = None
+        self._head: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None] | None = None
         self.register_buffer(VOCAB_IDS_NAME, None)
         if draft_vocab_ids is None and config.draft_vocab_size is not None:
             raise ValueError(f"the config declares draft_vocab_size {config.draft_vocab_size} but no draft_vocab_ids")
@@ -190,7 +196,7 @@ class DFlashDraftModel(nn.Module):
         """
         if self.draft_vocab_ids is None:
             return target.lm_head(hidden)
-        head = target.model.get_output_embeddings()
+        head: nn.Linear = target.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
         weight, bias = self._draft_head(head)
         # As one 2-D GEMM: a strided [..., H] input (block slots past the anchor)
         # would otherwise run as a batched matmul over a broadcast weight, ~3x slower.
@@ -200,7 +206,7 @@ class DFlashDraftModel(nn.Module):
         full = logits.new_full((*logits.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab_ids, logits)
 
-    def _draft_head(self, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draft_head(self, head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft vocabulary's rows of the LM head ``head`` (and its bias).
 
         Cached, and sliced afresh only when the head's weight or the map changed
@@ -209,7 +215,9 @@ class DFlashDraftModel(nn.Module):
         cached when autograd must reach the head (grad enabled and the head
         trainable), nor for tensors made in inference mode (no version counter).
         """
-        ids, weight, bias = self.draft_vocab_ids, head.weight, head.bias
+        ids = self.draft_vocab_ids
+        weight: torch.Tensor = head.weight
+        bias: torch.Tensor | None = head.bias
         tensors = [t for t in (weight, bias, ids) if t is not None]
         needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         cacheable = not needs_graph and not any(t.is_inference() for t in tensors)
@@ -237,11 +245,13 @@ class DFlashDraftModel(nn.Module):
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for ``positions`` [B, n] (negative positions of padding are clamped)."""
-        return self.rotary_emb(x, positions.clamp(min=0))
+        cos_sin: tuple[torch.Tensor, torch.Tensor] = self.rotary_emb(x, positions.clamp(min=0))
+        return cos_sin
 
     def context_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """``hidden_norm(fc(concat of the target's selected layer outputs))``."""
-        return self.hidden_norm(self.fc(target_features))
+        features: torch.Tensor = self.hidden_norm(self.fc(target_features))
+        return features
 
     def context_kv(
         self, target_features: torch.Tensor, positions: torch.Tensor
@@ -257,16 +267,17 @@ class DFlashDraftModel(nn.Module):
         weight, bias = self._fused_kv_weight()
         kv = F.linear(c, weight, bias)
         batch, n, _ = c.shape
-        attn0 = self.layers[0].self_attn
-        kv = kv.view(batch, n, len(self.layers), 2, attn0.num_kv_heads, attn0.head_dim)
-        keys = torch.stack([layer.self_attn.k_norm(kv[:, :, i, 0]) for i, layer in enumerate(self.layers)], dim=2)
+        layers = self.draft_layers()
+        attn0 = layers[0].self_attn
+        kv = kv.view(batch, n, len(layers), 2, attn0.num_kv_heads, attn0.head_dim)
+        keys = torch.stack([layer.self_attn.k_norm(kv[:, :, i, 0]) for i, layer in enumerate(layers)], dim=2)
         # [B, n, L, kvh, d] -> [B, L*kvh, n, d]: one RoPE call for every layer's keys.
         keys = keys.flatten(2, 3).transpose(1, 2)
         cos, sin = self.rope(c, positions)
         keys, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
-        keys = keys.view(batch, len(self.layers), attn0.num_kv_heads, n, attn0.head_dim)
+        keys = keys.view(batch, len(layers), attn0.num_kv_heads, n, attn0.head_dim)
         values = kv[:, :, :, 1].permute(0, 2, 3, 1, 4)
-        return [(keys[:, i], values[:, i]) for i in range(len(self.layers))]
+        return [(keys[:, i], values[:, i]) for i in range(len(layers))]
 
     def _fused_kv_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stacked ``[k_0; v_0; k_1; v_1; ...]`` weights (and biases).
@@ -275,7 +286,7 @@ class DFlashDraftModel(nn.Module):
         projection; at inference they are cached and rebuilt only when a
         parameter changed (tensor version counter) or moved (data pointer).
         """
-        projections = [p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        projections = [p for layer in self.draft_layers() for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
         tensors = [t for p in projections for t in p.parameters()]
         # Parameters created under inference mode have no version counter: no caching.
         cacheable = not torch.is_grad_enabled() and not any(t.is_inference() for t in tensors)
@@ -310,7 +321,7 @@ class DFlashDraftModel(nn.Module):
         key_positions = torch.cat([context_positions, block_positions], dim=1)
         masks: dict[LayerAttention, torch.Tensor] = {}
         h = block_embeddings
-        for layer, (k, v) in zip(self.layers, context, strict=True):
+        for layer, (k, v) in zip(self.draft_layers(), context, strict=True):
             attention = layer.self_attn.attention
             if attention not in masks:
                 allowed = attention_allowed(
@@ -318,4 +329,9 @@ class DFlashDraftModel(nn.Module):
                 )
                 masks[attention] = (allowed if visible is None else allowed & visible).unsqueeze(1)
             h = layer(h, rope, k, v, masks[attention])
-        return self.norm(h)
+        normed: torch.Tensor = self.norm(h)
+        return normed
+
+    def draft_layers(self) -> Sequence[DraftLayer]:
+        """``self.layers``, which holds only ``DraftLayer``s (``nn.ModuleList`` types its items as ``Module``)."""
+        return cast(Sequence[DraftLayer], self.layers)

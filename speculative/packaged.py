@@ -98,13 +98,15 @@ def dequantised_copy(model: PreTrainedModel) -> PreTrainedModel:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # transformers' from_config and eval are unannotated.
+    plain: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise InstallError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
     plain.tie_weights()
-    return plain.eval()
+    plain.eval()  # type: ignore[no-untyped-call]
+    return plain
 
 
 @torch.no_grad()

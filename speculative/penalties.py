@@ -78,7 +78,10 @@ def penalize(
         one_hot[:, 1:].scatter_(-1, drafts[..., None], 1.0)
         counts = counts + one_hot.cumsum(dim=1)
     seen = history.seen[:, None, :] | (counts > 0)
-    column = lambda values: torch.tensor(values, device=device)[:, None, None]  # noqa: E731
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, device=device)[:, None, None]
+
     presence = column([p.presence_penalty for p in params])
     frequency = column([p.frequency_penalty for p in params])
     repetition = column([p.repetition_penalty for p in params])

@@ -10,6 +10,7 @@ import bisect
 import collections
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 CANDIDATE_BLOCK_SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 16)
 """The block sizes the controller chooses among by default (1 = plain
@@ -69,11 +70,12 @@ class BlockPolicy:
     @classmethod
     def from_dict(cls, raw: object) -> BlockPolicy:
         """Parse ``to_dict`` output; ValueError on anything else."""
+        body: Any = raw  # any shape: a wrong one raises TypeError/KeyError/AttributeError below
         try:
             return cls(
-                tuple(int(x) for x in raw["min_batch"]),
-                tuple(int(x) for x in raw["block_sizes"]),
-                tuple(int(x) for x in raw.get("alternates", ())),
+                tuple(int(x) for x in body["min_batch"]),
+                tuple(int(x) for x in body["block_sizes"]),
+                tuple(int(x) for x in body.get("alternates", ())),
             )
         except (TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not a block policy: {raw!r}") from exc

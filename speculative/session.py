@@ -23,13 +23,14 @@ import copy
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from speculative.batch import RaggedBatch, append_draft_context, draft_context
 from speculative.draft import DFlashDraftModel
 from speculative.penalties import TokenHistory, penalize
+from speculative.rows import Rows
 from speculative.sampling import (
     SamplingParams,
     make_generators,
@@ -41,7 +42,8 @@ from speculative.sampling import (
 from speculative.target import TargetModel
 from speculative.verify import Verdict, verify_greedy, verify_sampled
 
-Proposal = Literal["argmax", "sample"]
+Proposal = Literal["argmax", "sample"]  # how a draft slot's token is chosen: the draft's argmax, or sampled
+DEFAULT_COMPACT_SLACK = 64  # wasted cache slots per row that trigger a compaction
 
 
 @dataclass
@@ -85,46 +87,6 @@ def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
         )
 
 
-@dataclass
-class _Rows:
-    """Per-row state in batch order: caller's key, current anchor, sampling,
-    and the token history the repetition penalties read."""
-
-    keys: list[Hashable]
-    anchors: torch.Tensor
-    params: list[SamplingParams]
-    generators: list[torch.Generator]
-    history: TokenHistory
-    generated: list[int]  # tokens each row has emitted (what min_tokens counts)
-
-    def select(self, index: list[int]) -> None:
-        rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
-        self.keys = [self.keys[i] for i in index]
-        self.anchors = self.anchors[rows]
-        self.params = [self.params[i] for i in index]
-        self.generators = [self.generators[i] for i in index]
-        self.generated = [self.generated[i] for i in index]
-        self.history.select(rows)
-
-    def subset(self, index: list[int]) -> _Rows:
-        """These rows' state as a new ``_Rows`` (generators shared, not copied)."""
-        rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
-        history = copy.copy(self.history)
-        history.select(rows)  # select assigns new tensors: the original keeps its own
-        keys, params, generators, generated = (
-            [items[i] for i in index] for items in (self.keys, self.params, self.generators, self.generated)
-        )
-        return _Rows(keys, self.anchors[rows], params, generators, history, generated)
-
-    def extend(self, other: _Rows) -> None:
-        self.keys += other.keys
-        self.anchors = torch.cat([self.anchors, other.anchors])
-        self.params += other.params
-        self.generators += other.generators
-        self.generated += other.generated
-        self.history.extend(other.history)
-
-
 class DecodeSession:
     """Rows decoding together: ``add`` prefills new rows, ``step`` runs one round
     for all of them, ``remove`` frees finished rows' caches."""
@@ -135,10 +97,10 @@ class DecodeSession:
         draft: DFlashDraftModel | None = None,
         *,
         proposal: Proposal = "argmax",
-        compact_slack: int = 64,
+        compact_slack: int = DEFAULT_COMPACT_SLACK,
         in_place_cache: bool = True,
     ) -> None:
-        if proposal not in ("argmax", "sample"):
+        if proposal not in get_args(Proposal):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
         if draft is not None:
             check_pair(target, draft)
@@ -149,7 +111,7 @@ class DecodeSession:
         # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
         self.batch: RaggedBatch | None = None
-        self.rows = _Rows(
+        self.rows = Rows(
             [],
             torch.empty(0, dtype=torch.long, device=target.device),
             [],
@@ -192,7 +154,7 @@ class DecodeSession:
         last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
         first = _sample_first(last_logits, list(sampling), generators)
         history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
-        rows = _Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys))
+        rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys))
         if self.batch is None:
             self.batch = batch
         else:
@@ -209,7 +171,7 @@ class DecodeSession:
             return
         self.rows.select(keep)
         if keep:
-            self.batch.select_rows(torch.tensor(keep, device=self.target.device))
+            self._batch().select_rows(torch.tensor(keep, device=self.target.device))
         else:
             self.batch = None
 
@@ -226,7 +188,7 @@ class DecodeSession:
             in_place_cache=self.in_place_cache,
         )
         if index:
-            part.batch = copy.deepcopy(self.batch)
+            part.batch = copy.deepcopy(self._batch())
             part.batch.select_rows(torch.tensor(index, device=self.target.device))
             part.rows = self.rows.subset(index)
             self.remove([self.rows.keys[i] for i in index])
@@ -254,21 +216,22 @@ class DecodeSession:
             raise ValueError(f"block_size must be in [1, {self.max_block_size}], got {block_size}")
         if not self.rows.keys:
             raise ValueError("no rows to decode")
-        if self.batch.wasted_slots() >= self.compact_slack:
-            self.batch.compact()
-        slots, anchors = self.batch.num_slots, self.rows.anchors
+        batch = self._batch()
+        if batch.wasted_slots() >= self.compact_slack:
+            batch.compact()
+        slots, anchors = batch.num_slots, self.rows.anchors
         generator_states = [g.get_state() for g in self.rows.generators]
         try:
             return self._round(block_size)
         except Exception:
-            self.batch.truncate(slots)
+            batch.truncate(slots)
             self.rows.anchors = anchors
             for g, state in zip(self.rows.generators, generator_states, strict=True):
                 g.set_state(state)
             raise
 
     def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
-        batch, device = self.batch, self.target.device
+        batch, device = self._batch(), self.target.device
         positions = batch.lengths[:, None] + torch.arange(block_size, device=device)
         t0 = _clock(device)
         drafts, draft_probs = self._propose(positions)
@@ -313,7 +276,7 @@ class DecodeSession:
             ids, positions, batch.target_cache, batch.slot_positions, feature_layers=self.feature_layers
         )
         if self.draft is not None:
-            append_draft_context(batch.draft_cache, self.draft.context_kv(out.features, positions))
+            self._append_context(batch, self.draft, out.features, positions)
         batch.commit(positions)
         return batch, out.logits[:, -1]
 
@@ -323,11 +286,13 @@ class DecodeSession:
         anchors = self.rows.anchors
         if positions.shape[1] == 1:
             return anchors.new_empty(len(anchors), 0), None
-        draft = self.draft
+        draft, batch = self.draft, self._batch()
+        # Blocks over 1 need a draft (``step`` checks), whose rows have a draft cache.
+        assert draft is not None and batch.draft_cache is not None
         block = torch.full_like(positions, draft.mask_token_id)
         block[:, 0] = anchors
         embeddings = self.target.embed(block) * draft.config.input_embedding_scale
-        hidden = draft(embeddings, positions, draft_context(self.batch.draft_cache), self.batch.slot_positions)
+        hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
         # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
         # Penalties use the committed history only, so every slot is still drafted in parallel.
         # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
@@ -354,9 +319,24 @@ class DecodeSession:
     def _commit(self, verdict: Verdict, positions: torch.Tensor, features: torch.Tensor | None) -> None:
         """Keep the anchor and accepted drafts of the appended block in both caches."""
         slots = torch.arange(positions.shape[1], device=positions.device)
-        self.batch.commit(torch.where(slots[None, :] <= verdict.num_accepted[:, None], positions, -1))
+        batch = self._batch()
+        batch.commit(torch.where(slots[None, :] <= verdict.num_accepted[:, None], positions, -1))
         if self.draft is not None:
-            append_draft_context(self.batch.draft_cache, self.draft.context_kv(features, positions))
+            self._append_context(batch, self.draft, features, positions)
+
+    def _batch(self) -> RaggedBatch:
+        """The rows' batch state, which exists whenever the session has rows."""
+        assert self.batch is not None, "the session has no rows"
+        return self.batch
+
+    @staticmethod
+    def _append_context(
+        batch: RaggedBatch, draft: DFlashDraftModel, features: torch.Tensor | None, positions: torch.Tensor
+    ) -> None:
+        """Append the draft's context K/V of a target forward's ``features`` to ``batch``'s draft cache."""
+        # With a draft, every target forward captures its feature layers and the batch has a draft cache.
+        assert features is not None and batch.draft_cache is not None
+        append_draft_context(batch.draft_cache, draft.context_kv(features, positions))
 
 
 def _sample_first(

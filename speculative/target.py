@@ -11,8 +11,10 @@ decoder layers, so they are never the final, post-norm state.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +37,7 @@ class TargetModel:
     """A causal LM from transformers (Qwen3, Llama, ...) prepared for DFlash."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model.eval()
+        self.model: PreTrainedModel = model.eval()  # type: ignore[no-untyped-call]  # transformers' eval is unannotated
         self.config = model.config.get_text_config()
         self._hooked: set[int] = set()
         self._hook_lock = threading.Lock()
@@ -49,7 +51,8 @@ class TargetModel:
     ) -> TargetModel:
         """Load a local transformers checkpoint (never downloads)."""
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        return cls(model.to(device))
+        # functools.wraps types PreTrainedModel.to with its unbound ``self`` as the first argument.
+        return cls(model.to(device))  # type: ignore[arg-type]
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +82,8 @@ class TargetModel:
     @property
     def embedding_rows(self) -> int:
         """Rows of the input embedding table (may exceed vocab_size)."""
-        return int(self.model.get_input_embeddings().weight.shape[0])
+        embedding = cast(nn.Embedding, self.model.get_input_embeddings())  # typed as a plain nn.Module
+        return int(embedding.weight.shape[0])
 
     @property
     def context_length(self) -> int:
@@ -89,15 +93,19 @@ class TargetModel:
     @property
     def decoder_layers(self) -> nn.ModuleList:
         """The transformers decoder layers (Qwen3/Llama layout)."""
-        return self.model.model.layers
+        layers: nn.ModuleList = self.model.model.layers
+        return layers
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The target's (frozen, shared) input embedding."""
-        return self.model.get_input_embeddings()(token_ids)
+        embeddings: torch.Tensor = self.model.get_input_embeddings()(token_ids)
+        return embeddings
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's (frozen, shared) output projection."""
-        return self.model.get_output_embeddings()(hidden)
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        logits: torch.Tensor = head(hidden)
+        return logits
 
     def _ensure_hooks(self, layer_ids: tuple[int, ...]) -> None:
         """Hook the output of every decoder layer in ``layer_ids`` (once)."""
@@ -109,8 +117,8 @@ class TargetModel:
                 self.decoder_layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
                 self._hooked.add(layer_id)
 
-    def _capture_hook(self, layer_id: int):
-        def hook(_module: nn.Module, _inputs: object, output: torch.Tensor | tuple) -> None:
+    def _capture_hook(self, layer_id: int) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(_module: nn.Module, _inputs: tuple[Any, ...], output: torch.Tensor | tuple[Any, ...]) -> None:
             captured = getattr(self._local, "captured", None)
             if captured is not None:
                 captured[layer_id] = output[0] if isinstance(output, tuple) else output
@@ -161,10 +169,11 @@ class TargetModel:
         self._ensure_hooks(feature_layers)
         key_positions = torch.cat([cache_positions, positions], dim=1)
         allowed = attention_allowed(positions, key_positions, causal=True)
-        mask: torch.Tensor | dict[str, torch.Tensor] = additive_mask(allowed, self.dtype)
+        full = additive_mask(allowed, self.dtype)
+        mask: torch.Tensor | dict[str, torch.Tensor] = full
         if "sliding_attention" in self._layer_types:
             sliding = attention_allowed(positions, key_positions, causal=True, window=self._sliding_window)
-            mask = {"full_attention": mask, "sliding_attention": additive_mask(sliding, self.dtype)}
+            mask = {"full_attention": full, "sliding_attention": additive_mask(sliding, self.dtype)}
         self._local.captured = {} if feature_layers else None
         try:
             out = self.model(

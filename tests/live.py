@@ -15,6 +15,7 @@ import uvicorn
 from service.api.app import build_app
 from service.cli import in_process_controller
 from service.config import ServeSettings
+from service.controller.settings import ControllerSettings
 from service.engine import NativeEngine, NativeEngineConfig
 from service.metrics import Metrics
 
@@ -55,10 +56,11 @@ def roofline(floor_s: float, knee_tokens: int, draft_s: float) -> StepCost:
     return cost
 
 
-def make_server(model, step_cost: StepCost | None = None, controller=False, **settings):
+def make_server(model, step_cost: StepCost | None = None, controller=False, profile_batch_sizes=(), **settings):
     """A LiveServer over a fresh engine for ``model`` = (root, target, draft,
     tokenizer); ``controller`` runs the in-process controller as
-    ``dflash-serve`` does.
+    ``dflash-serve`` does; ``profile_batch_sizes``: a start-up profile at those
+    batch sizes first, as ``dflash-serve --profile-startup`` runs it.
 
     ``step_cost``: every engine step lasts at least ``step_cost(batch, block)``
     (the engine thread waits out the rest) and the metrics record exactly that
@@ -68,14 +70,19 @@ def make_server(model, step_cost: StepCost | None = None, controller=False, **se
     engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
     metrics = Metrics()
 
-    def on_step(stats, seconds):
+    def on_step(stats, seconds, output_tokens):
         if step_cost is not None:
             modeled = step_cost(stats.batch_size, stats.block_size)
             time.sleep(max(0.0, modeled - seconds))
             seconds = modeled
-        metrics.observe_step(stats, seconds)
+        metrics.observe_step(stats, seconds, output_tokens)
 
     engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
+    metrics.declare_blocks(ControllerSettings(max_block_size=engine.max_block_size).allowed)
+    for stats, seconds in engine.profile_steps(profile_batch_sizes, steps=4) if profile_batch_sizes else ():
+        metrics.observe_profile_step(
+            stats, seconds if step_cost is None else step_cost(stats.batch_size, stats.block_size)
+        )
     serve_settings = ServeSettings(target=root / "target", draft=None, **settings)
     loop = in_process_controller(engine, metrics, serve_settings) if controller else None
     return LiveServer(build_app(serve_settings, engine, tokenizer, metrics, loop)), engine

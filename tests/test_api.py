@@ -244,7 +244,7 @@ def test_batch_buckets():
 
 
 def test_load_sweep_direct_engine_baseline(model, server, tmp_path, capsys):
-    from service.loadgen import main as load
+    from bench.load import main as load
     from speculative.checkpoint import save_draft
 
     save_draft(model[2], tmp_path / "draft")
@@ -270,7 +270,7 @@ def test_load_sweep_direct_engine_baseline(model, server, tmp_path, capsys):
 
 
 def test_load_sweep_against_the_live_server(server, capsys):
-    from service.loadgen import main as load
+    from bench.load import main as load
 
     load(
         [

@@ -19,11 +19,13 @@ from service.controller import (
     decide,
     expected_acceptance_length,
 )
-from service.controller.decide import Trial, _trial_done
+from service.controller.cli import parse_args
 from service.controller.estimates import Decayed, Estimates
 from service.controller.loop import ControllerLoop, ControllerMetrics
-from service.controller.profile import profile_step_times
 from service.controller.source import SourceError, observation_from_collectors, observation_from_text
+from service.controller.trials import Trial, trial_done
+from service.engine import NativeEngine
+from service.engine.profile import profile_step_times
 from service.metrics import Metrics, batch_bucket
 from speculative.session import DecodeSession, RoundStats
 
@@ -385,9 +387,9 @@ def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     assert "1" not in state.exploring and decision.table["1"] == 1, decision.reasons["1"]
     # A cell never trusted keeps the steps of an earlier, unfinished trial.
     state.exploring["1"] = Trial(block=4, back_to=1, since=2.0, samples_at_start=15.0, **UNPAIRED)
-    assert _trial_done(state, settings, "1", state.exploring["1"], 2.5) is False
+    assert trial_done(state.estimates, "1", state.exploring["1"], 2.5, settings) is False
     state.estimates.step_time[("1", 4)] = Decayed(total=0.4, count=20.0, samples=20.0, last_update=2.5)
-    assert _trial_done(state, settings, "1", state.exploring["1"], 2.5) is True
+    assert trial_done(state.estimates, "1", state.exploring["1"], 2.5, settings) is True
 
 
 def test_a_block_timed_earlier_is_compared_at_todays_level():
@@ -737,7 +739,7 @@ def test_startup_profile_seeds_step_times_for_idle_buckets(model):
     _, target, draft, _ = model
     metrics = Metrics()
     session = DecodeSession(target, draft)
-    profile_step_times(session, metrics.observe_step_time, batch_sizes=(1, 8), block_sizes=(1, 4), steps=3)
+    profile_step_times(session, metrics.observe_profile_step, batch_sizes=(1, 8), block_sizes=(1, 4), steps=3)
     assert len(session) == 0
     obs = observation_from_text([generate_latest(metrics.registry).decode()], now=0.0)
     assert set(obs.step_seconds) == {("1", 1), ("1", 4), ("8-15", 1), ("8-15", 4)}
@@ -787,6 +789,33 @@ class _ShapeTimedSession:
         self.shapes.add((self.rows, b))
         self.blocks.append(b)
         return RoundStats(self.rows, b, [1] * self.rows, [0] * (b - 1), [self.rows] * (b - 1), 0.0, seconds), {}
+
+
+def test_the_native_engine_profiles_its_own_session_before_it_starts(model):
+    _, target, draft, tokenizer = model
+    engine = NativeEngine(target, draft, tokenizer)
+    timed = engine.profile_steps((1, 2), steps=2)
+    cells = sorted({(stats.batch_size, stats.block_size) for stats, _ in timed})
+    assert cells == [(batch, b) for batch in (1, 2) for b in (1, 2, 4)]  # the draft's block is 4
+    assert len(timed) == 2 * 3 * 2 and all(seconds > 0 for _, seconds in timed)
+    assert len(engine.session) == 0
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            engine.profile_steps((1,), steps=1)
+    finally:
+        engine.stop()
+
+
+def test_dflash_controller_has_one_flag_per_decision_setting():
+    replica = ["--replica", "http://127.0.0.1:1", "--admin-key", "k"]
+    assert parse_args(replica)[1] == ControllerSettings()
+    flags = ["--candidates", "1", "4", "16", "--max-block-size", "8", "--half-life-s", "30", "--min-steps", "5"]
+    args, settings = parse_args(replica + flags)
+    assert settings == ControllerSettings(candidates=(1, 4, 16), max_block_size=8, half_life_s=30.0, min_steps=5.0)
+    assert settings.allowed == (1, 4) and args.interval_s == 10.0
+    with pytest.raises(SystemExit):
+        parse_args([*replica, "--candidates", "2", "4"])  # no plain decoding: the settings refuse it
 
 
 def test_startup_profile_takes_block_sizes_in_turns_and_skips_first_steps():

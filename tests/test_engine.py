@@ -81,7 +81,7 @@ def test_stop_token_and_stop_string(pair):
 def test_abandoned_stream_frees_its_slot(pair):
     target, draft, tokenizer = pair
     steps = []
-    engine = NativeEngine(target, draft, tokenizer, on_step=lambda s, _: steps.append(s))
+    engine = NativeEngine(target, draft, tokenizer, on_step=lambda s, *_: steps.append(s))
 
     async def main():
         stream = engine.generate(GenerateRequest("gone", prompts(1)[0], 1500))
@@ -139,7 +139,7 @@ def test_policy_picks_the_block_size_per_batch_size(pair):
     target, draft, tokenizer = pair
     seen = []
     engine = NativeEngine(
-        target, draft, tokenizer, NativeEngineConfig(max_batch_size=4), on_step=lambda s, _: seen.append(s)
+        target, draft, tokenizer, NativeEngineConfig(max_batch_size=4), on_step=lambda s, *_: seen.append(s)
     )
     engine.set_policy(BlockPolicy(min_batch=(1, 3), block_sizes=(8, 1)))
     with pytest.raises(ValueError):
@@ -160,7 +160,7 @@ def test_policy_picks_the_block_size_per_batch_size(pair):
 def test_a_paired_policy_alternates_blocks_step_by_step_losslessly(pair):
     target, draft, tokenizer = pair
     seen = []
-    engine = NativeEngine(target, draft, tokenizer, on_step=lambda s, _: seen.append(s.block_size))
+    engine = NativeEngine(target, draft, tokenizer, on_step=lambda s, *_: seen.append(s.block_size))
     engine.set_policy(BlockPolicy((1,), (4,), (1,)))  # a controller trial: b = 4 in turns with plain decoding
     request = GenerateRequest("p", prompts(1)[0], 30)
     _, ids, _ = run(engine, collect(engine, request))

@@ -20,9 +20,10 @@ from live import PrometheusServer, make_server, roofline, wait_until
 from prometheus_client import CollectorRegistry
 
 from dashboards.render import panels, promql, render
+from service import metric_names as names
 from service.controller.cli import push_to_replicas
-from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.settings import ControllerSettings
 from service.controller.source import (
     SourceError,
     discover_replicas,
@@ -30,8 +31,10 @@ from service.controller.source import (
     query_prometheus,
     scrape_replicas,
 )
+from service.metrics import achieved_speedup_promql, speedup_counters
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.distill import distill_draft
+from speculative.policy import BlockPolicy
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs the prometheus binary (.ci/run installs it)"
@@ -202,7 +205,9 @@ def test_every_dashboard_query_returns_data_and_renders(model, tmp_path):
     """The dashboard's PromQL against a real Prometheus that scraped a live
     service (with its in-process controller) under load: every query returns
     series, and every panel renders to a PNG from the same queries."""
-    server, _ = make_server(model, controller=True, controller_interval_s=1.0, max_batch_size=4)
+    server, _ = make_server(
+        model, controller=True, controller_interval_s=1.0, max_batch_size=4, profile_batch_sizes=(1, 2, 4)
+    )
     with server as url, PrometheusServer(tmp_path, [url], scrape_interval="500ms", labels={"model": "target"}) as prom:
         start = time.time()
         assert hold_concurrency(url, [[5 + i, 6, 7] for i in range(8)], 4, 8.0) >= 4
@@ -212,3 +217,61 @@ def test_every_dashboard_query_returns_data_and_renders(model, tmp_path):
         assert not empty, empty
         pngs = render(prom.url, tmp_path / "png", start, time.time())
     assert len(pngs) == len(panels()) and all(p.stat().st_size > 5_000 for p in pngs)
+
+
+def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pair, tmp_path):
+    """The same greedy requests, one at a time, on a replica pinned at b = 16
+    (which never runs a plain step: its reference is the start-up profile) and
+    on one pinned at plain decoding. The dashboard's achieved speedup, through
+    a real Prometheus, equals the ratio of the two runs' output tokens per
+    step-second measured independently (the clients' token counts over steps
+    times their modelled cost); the plain replica's is 1."""
+    model, prompts = distilled_pair
+    pinned, pinned_engine = make_server(model, step_cost=STEP_COST, profile_batch_sizes=(1,))
+    plain, plain_engine = make_server(model, step_cost=STEP_COST)
+    pinned_engine.set_policy(BlockPolicy.fixed(16))
+    plain_engine.set_policy(BlockPolicy.fixed(1))
+    measured = {}
+    with pinned as url_pinned, plain as url_plain, PrometheusServer(tmp_path, [url_pinned, url_plain], "500ms") as prom:
+        # Prometheus starts scraping seconds after it is ready: the runs must fall inside its samples.
+        wait_until(lambda: len(instant_query(prom.url, "up == 1")) == 2)
+        for name, url, b in (("pinned", url_pinned, 16), ("plain", url_plain, 1)):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            requests = prompts[:3]
+            tokens = sum(
+                client.completions.create(
+                    model="target", prompt=p, max_tokens=RESPONSE_LEN, temperature=0
+                ).usage.completion_tokens
+                for p in requests
+            )
+            steps = scrape_replicas([url], 0.0).step_seconds
+            served_steps = sum(count for (_, block), (_, count) in steps.items() if block == b)
+            if name == "pinned":
+                served_steps -= 4 * 1  # the profile's b = 16 steps at batch 1 (4 timed rounds) share the histogram
+            # The prefill gives each request its first token; every other token came from a step.
+            measured[name] = (tokens - len(requests)) / (served_steps * STEP_COST(1, b))
+
+        def achieved(url: str) -> dict[str, float]:
+            query = achieved_speedup_promql("5m", f'instance="{url.removeprefix("http://")}"')
+            return {s["metric"]["batch_bucket"]: float(s["value"][1]) for s in instant_query(prom.url, query)}
+
+        def scraped_all() -> bool:
+            query = f"sum by (instance) ({names.STEP_OUTPUT_TOKENS}_total)"
+            seen = {s["metric"]["instance"]: float(s["value"][1]) for s in instant_query(prom.url, query)}
+            direct = {
+                url.removeprefix("http://"): sum(
+                    v
+                    for (n, _, _), v in speedup_counters(httpx2.get(url + "/metrics").text).items()
+                    if n == names.STEP_OUTPUT_TOKENS
+                )
+                for url in (url_pinned, url_plain)
+            }
+            return seen == direct
+
+        wait_until(scraped_all)
+        pinned_speedup, plain_speedup = achieved(url_pinned), achieved(url_plain)
+    assert set(pinned_speedup) == set(plain_speedup) == {"1"}
+    assert plain_speedup["1"] == pytest.approx(1.0, rel=1e-3)
+    assert measured["pinned"] / measured["plain"] > 2.0  # the distilled draft pays at b = 16 alone
+    # rate() extrapolates each series to the window's edges a little differently: a percent, not more.
+    assert pinned_speedup["1"] == pytest.approx(measured["pinned"] / measured["plain"], rel=0.02)

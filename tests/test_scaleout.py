@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.controller.cli import push_to_replicas
-from service.controller.decide import ControllerSettings
 from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.settings import ControllerSettings
 from service.controller.source import discover_replicas, query_prometheus
 
 SMG = Path(sys.executable).with_name("smg")

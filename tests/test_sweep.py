@@ -7,12 +7,20 @@ import json
 
 import pytest
 
+from bench.sweep import Mode, average_passes, block_mix, compare, main, step_seconds_by_block, turns
 from service.controller.estimates import Observation
-from service.sweep import Mode, average_passes, block_mix, compare, main, step_seconds_by_block, turns
 
 
 def test_modes_parse_to_server_flags():
-    assert Mode.parse("fixed:4", 2.0).flags == ("--block-size", "4", "--controller", "false")
+    assert Mode.parse("fixed:4", 2.0).flags == (
+        "--block-size",
+        "4",
+        "--controller",
+        "false",
+        "--profile-startup",
+        "true",
+    )
+    assert Mode.parse("fixed:1", 2.0).flags == ("--block-size", "1", "--controller", "false")
     adaptive = ("--controller", "true", "--controller-interval-s", "1.5", "--profile-startup", "true")
     assert Mode.parse("adaptive", 1.5).flags == adaptive
     with pytest.raises(Exception, match="mode must be"):
@@ -32,12 +40,13 @@ def test_modes_take_turns_with_a_rotating_first():
 def test_repeated_passes_average_tokens_per_second_and_sum_block_time():
     passes = [
         {"output_tokens_per_s": 10.0, "ttft_p50_s": 1.0, "step_seconds_by_block": {1: 2.0, 4: 1.0}},
-        {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 3.0}},
+        {"output_tokens_per_s": 20.0, "ttft_p50_s": 2.0, "step_seconds_by_block": {1: 3.0}, "achieved_speedup": 0.9},
     ]
     assert average_passes(passes) == {
         "output_tokens_per_s": 15.0,
         "output_tokens_per_s_passes": [10.0, 20.0],
         "ttft_p50_s": 2.0,
+        "achieved_speedup": 0.9,  # the passes that have one
         "step_seconds_by_block": {1: 5.0, 4: 1.0},
     }
 
@@ -111,6 +120,9 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     # Each level's engine time is attributed to the block it ran: a fixed server only to its own.
     assert all(set(level["step_seconds_by_block"]) == {"4"} for level in summary["levels"]["fixed:4"])
     assert all(sum(level["step_seconds_by_block"].values()) > 0 for level in summary["levels"]["adaptive"])
+    # The achieved speedup from each server's counters: plain decoding's is 1 exactly; the others have a reference.
+    assert all(level["achieved_speedup"] == pytest.approx(1.0) for level in summary["levels"]["fixed:1"])
+    assert all(level["achieved_speedup"] > 0 for name in ("fixed:4", "adaptive") for level in summary["levels"][name])
     assert len(order) == 3 * 2 * 3
     for start in range(0, len(order), 3):
         assert {mode for _, _, mode in order[start : start + 3]} == {"fixed:1", "fixed:4", "adaptive"}

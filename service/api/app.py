@@ -1,8 +1,12 @@
 """The FastAPI app: OpenAI-compatible endpoints over an engine.
 
-``build_app(settings, engine, tokenizer)``: the engine starts in the lifespan and
-drains when the app shuts down; everything lives on ``app.state``; every error
-goes through ``service.api.errors``.
+``build_app(settings, engine, tokenizer, metrics, controller)``: the engine (and
+the in-process controller, when given) start in the lifespan and drain when the
+app shuts down; everything lives on ``app.state``; every error goes through
+``service.api.errors``. Routes: ``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models`` (and ``/v1/models/{id}``), ``/health``, ``/ready``, ``/metrics``,
+and ``/admin/policy`` (the block-size policy, admin key; 409 while the
+in-process controller owns it).
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,7 +38,7 @@ from speculative.sampling import SamplingParams
 def build_app(
     settings: ServeSettings,
     engine: Engine,
-    tokenizer,
+    tokenizer: Any,  # a transformers tokenizer (the callers hold it untyped)
     metrics: Metrics | None = None,
     controller: ControllerLoop | None = None,
 ) -> FastAPI:
@@ -63,11 +68,12 @@ def build_app(
     install_openapi(app)
     authorized = Depends(_check_api_key)
 
-    @app.get("/health")
-    async def health() -> dict:
+    # response_model=dict: the schema FastAPI derived from the old bare ``-> dict``.
+    @app.get("/health", response_model=dict)
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    app.head("/health", include_in_schema=False)(health)
+    app.head("/health", include_in_schema=False, response_model=dict)(health)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -88,7 +94,7 @@ def build_app(
         response_model_exclude_none=True,
         responses=error_responses(401, 403),
     )
-    async def get_policy() -> dict:
+    async def get_policy() -> dict[str, list[int]]:
         policy = engine.policy
         return policy.to_dict()
 
@@ -99,7 +105,7 @@ def build_app(
         response_model_exclude_none=True,
         responses=error_responses(400, 401, 403, 409),
     )
-    async def set_policy(body: PolicyBody) -> dict:
+    async def set_policy(body: PolicyBody) -> dict[str, list[int]]:
         if controller is not None:  # it would replace the pushed policy within seconds
             raise APIError(
                 409,
@@ -114,10 +120,10 @@ def build_app(
             raise APIError(400, str(exc), param="block_sizes") from exc
         return await get_policy()
 
-    card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve"}
+    card: dict[str, object] = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve"}
 
     @app.get("/v1/models", dependencies=[authorized], response_model=ModelList, responses=error_responses(401))
-    async def models() -> dict:
+    async def models() -> dict[str, object]:
         return {"object": "list", "data": [card]}
 
     @app.get(
@@ -126,7 +132,7 @@ def build_app(
         response_model=Model,
         responses=error_responses(401, 404),
     )
-    async def model(model_id: str) -> dict:
+    async def model(model_id: str) -> dict[str, object]:
         _check_model(model_id, settings)
         return card
 
@@ -136,20 +142,27 @@ def build_app(
         "/v1/chat/completions",
         dependencies=[authorized],
         responses={200: {"model": ChatCompletion}, **inference_errors},
+        response_model=None,  # the documented 200 body above; the return type is no response model
     )
-    async def chat(body: ChatCompletionRequest, request: Request):
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response | dict[str, Any]:
         _check_model(body.model, settings)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = await asyncio.to_thread(chat_ids, tokenizer, messages)  # a 2 MB prompt must not stall the loop
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
 
-    @app.post("/v1/completions", dependencies=[authorized], responses={200: {"model": Completion}, **inference_errors})
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post(
+        "/v1/completions",
+        dependencies=[authorized],
+        responses={200: {"model": Completion}, **inference_errors},
+        response_model=None,  # as for chat
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
         _check_model(body.model, settings)
         prompt = body.prompt
+        prompt_ids: list[int]
         if isinstance(prompt, list):
-            prompt_ids = list(prompt)
+            prompt_ids = list(cast(list[int], prompt))  # the validator made a one-string list its string
         else:
             prompt_ids = (await asyncio.to_thread(tokenizer, prompt, add_special_tokens=False))["input_ids"]
         return await _serve(request, body, prompt_ids, body.max_tokens, "text_completion", "cmpl")
@@ -173,7 +186,7 @@ ENDED_BY_SERVER = {
 
 async def _serve(
     request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, kind: str, prefix: str
-):
+) -> Response | dict[str, Any]:
     app = request.app
     engine: Engine = app.state.engine
     limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
@@ -200,13 +213,14 @@ async def _serve(
         stop=tuple(body.stop or ()),
     )
     started = time.perf_counter()
-    stream = engine.generate(generate)
+    # Both engines' ``generate`` are async generators (closed by ``_metered``).
+    stream = cast(AsyncGenerator[Delta, None], engine.generate(generate))
     try:
         first = await anext(stream)  # admission errors surface here, before any byte is sent
     except EngineError as exc:
         raise from_engine_error(exc) from exc
     deltas = _metered(stream, first, app.state.metrics, started, len(prompt_ids))
-    meta = {"id": generate.request_id, "created": int(time.time()), "model": body.model, "kind": kind}
+    meta: dict[str, Any] = {"id": generate.request_id, "created": int(time.time()), "model": body.model, "kind": kind}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(deltas, meta, include_usage), media_type="text/event-stream")
@@ -214,8 +228,8 @@ async def _serve(
 
 
 async def _metered(
-    stream: AsyncIterator[Delta], first: Delta, metrics: Metrics, started: float, prompt_tokens: int
-) -> AsyncIterator[Delta]:
+    stream: AsyncGenerator[Delta, None], first: Delta, metrics: Metrics, started: float, prompt_tokens: int
+) -> AsyncGenerator[Delta, None]:
     """The request's deltas, first included, with TTFT, inter-delta latency,
     token and request metrics recorded; closing it aborts the request."""
     last = time.perf_counter()
@@ -241,7 +255,9 @@ async def _metered(
         await stream.aclose()
 
 
-async def _complete(request: Request, stream: AsyncIterator[Delta], meta: dict) -> dict | JSONResponse:
+async def _complete(
+    request: Request, stream: AsyncGenerator[Delta, None], meta: dict[str, Any]
+) -> dict[str, Any] | JSONResponse:
     """Collect a whole completion; abort it if the client goes away."""
     deltas: list[Delta] = []
 
@@ -263,7 +279,7 @@ async def _complete(request: Request, stream: AsyncIterator[Delta], meta: dict) 
     if last.finish_reason in ENDED_BY_SERVER:
         raise ENDED_BY_SERVER[last.finish_reason]
     text = "".join(d.text for d in deltas)
-    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    choice: dict[str, object] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
     if meta["kind"] == "chat.completion":
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -279,7 +295,7 @@ async def _complete(request: Request, stream: AsyncIterator[Delta], meta: dict) 
     }
 
 
-async def _sse(stream: AsyncIterator[Delta], meta: dict, include_usage: bool) -> AsyncIterator[str]:
+async def _sse(stream: AsyncGenerator[Delta, None], meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events; leaving early (client gone) closes ``stream``, which
     aborts the request in the engine."""
     chat = meta["kind"] == "chat.completion"
@@ -312,11 +328,11 @@ async def _sse(stream: AsyncIterator[Delta], meta: dict, include_usage: bool) ->
         await stream.aclose()
 
 
-def _event(payload: dict) -> str:
+def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _usage(delta: Delta) -> dict:
+def _usage(delta: Delta) -> dict[str, int]:
     return {
         "prompt_tokens": delta.prompt_tokens,
         "completion_tokens": delta.completion_tokens,
@@ -324,7 +340,7 @@ def _usage(delta: Delta) -> dict:
     }
 
 
-def _spec(delta: Delta) -> dict:
+def _spec(delta: Delta) -> dict[str, float]:
     """Per-request speculative decoding figures (vLLM/SGLang-style extension)."""
     return {
         "acceptance_length": round(delta.spec.acceptance_length, 4),

@@ -9,7 +9,7 @@ and text must be valid Unicode (a lone surrogate is 400, not a tokenizer crash).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -17,8 +17,10 @@ from speculative.sampling import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED
 
 MAX_STOP_SEQUENCES = 4
 
+_Value = TypeVar("_Value")
 
-def encodable(value):
+
+def encodable(value: _Value) -> _Value:
     """Refuse text the tokenizer cannot encode (a lone surrogate sent as a JSON
     escape) in a string or a list of strings; other values pass."""
     for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:

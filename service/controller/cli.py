@@ -14,13 +14,17 @@ from pathlib import Path
 import httpx2
 from prometheus_client import CollectorRegistry, start_http_server
 
-from service.controller.decide import ControllerSettings
+from service.controller.estimates import Observation
 from service.controller.loop import ControllerLoop, ControllerMetrics
+from service.controller.settings import ControllerSettings
 from service.controller.source import discover_replicas, query_prometheus, scrape_replicas
+from speculative.cliflags import add_dataclass_flags, dataclass_kwargs
 from speculative.policy import BlockPolicy
 
 
-def push_to_replicas(replicas: Callable[[], list[str]], admin_key: str, timeout: float = 5.0):
+def push_to_replicas(
+    replicas: Callable[[], list[str]], admin_key: str, timeout: float = 5.0
+) -> Callable[[BlockPolicy], None]:
     """A push function: POST the policy to every replica ``replicas()`` names at
     push time (raises on any failure, so the loop retries next tick)."""
 
@@ -35,8 +39,9 @@ def push_to_replicas(replicas: Callable[[], list[str]], admin_key: str, timeout:
     return push
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line entry point."""
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, ControllerSettings]:
+    """The command line: how to reach the replicas, and the decision settings
+    (one flag per ``ControllerSettings`` field)."""
     parser = argparse.ArgumentParser(prog="dflash-controller", description=__doc__.splitlines()[0])
     parser.add_argument("--replica", action="append", default=[], help="replica base URL (repeatable)")
     parser.add_argument(
@@ -49,7 +54,6 @@ def main(argv: list[str] | None = None) -> None:
     key.add_argument("--admin-key", help="the replicas' --admin-key")
     key.add_argument("--admin-key-file", type=Path, help="file holding the admin key (e.g. a mounted secret)")
     parser.add_argument("--prometheus-url", help="read counters through PromQL instead of scraping replicas")
-    parser.add_argument("--max-block-size", type=int, default=16, help="the draft's trained block")
     parser.add_argument("--interval-s", type=float, default=10.0, help="seconds between decisions")
     parser.add_argument(
         "--trial-interval-s",
@@ -58,21 +62,32 @@ def main(argv: list[str] | None = None) -> None:
         "helps only if the counters are fresher, e.g. scraping replicas directly)",
     )
     parser.add_argument("--repush-s", type=float, default=30.0, help="re-send an unchanged policy this often")
-    parser.add_argument("--half-life-s", type=float, default=60.0)
     parser.add_argument("--metrics-port", type=int, default=9400)
+    add_dataclass_flags(parser, ControllerSettings)
     args = parser.parse_args(argv)
     if args.discover_replicas and not args.prometheus_url:
         parser.error("--discover-replicas needs --prometheus-url")
     if not args.discover_replicas and not args.replica:
         parser.error("give --replica URLs or --discover-replicas")
+    try:
+        return args, ControllerSettings(**dataclass_kwargs(vars(args), ControllerSettings))
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line entry point."""
+    args, settings = parse_args(argv)
     admin_key = args.admin_key or args.admin_key_file.read_text().strip()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     registry = CollectorRegistry()
     start_http_server(args.metrics_port, registry=registry)
+    replicas: Callable[[], list[str]]
     if args.discover_replicas:
         replicas = lambda: discover_replicas(args.prometheus_url, args.discover_replicas)  # noqa: E731
     else:
         replicas = lambda: args.replica  # noqa: E731
+    observe: Callable[[float], Observation]
     if args.prometheus_url:
         observe = lambda now: query_prometheus(args.prometheus_url, now)  # noqa: E731
     else:
@@ -80,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     loop = ControllerLoop(
         observe,
         push_to_replicas(replicas, admin_key),
-        ControllerSettings(max_block_size=args.max_block_size, half_life_s=args.half_life_s),
-        args.max_block_size,
+        settings,
+        settings.max_block_size,
         ControllerMetrics(registry),
         interval_s=args.interval_s,
         trial_interval_s=args.trial_interval_s,

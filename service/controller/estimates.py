@@ -100,29 +100,13 @@ class Estimates:
             self.survival.setdefault(k, Decayed()).add(accepted, verified, obs.time, decay)
 
     def comparable_means(self, bucket: str, blocks: Iterable[int], min_steps: float) -> dict[int, float]:
-        """Mean step times of the bucket's ``blocks``, each carried to the present:
-        a block that last ran a while ago is scaled by how much the bucket's most
-        recently run block (the reference) has changed since then, when the
-        reference's mean then rested on ``min_steps`` (decayed) steps. Contexts
-        grow and machines get busier, which slows every block alike; compared
-        raw, a block timed earlier against one timed now compares moments, not
-        blocks (served batch 4-7: b = 2 timed at 27.9 ms beside plain steps at
-        18.9; plain steps drifted to 23.0 ms, b = 2 looked 5.7 % better than
-        plain decoding, and ran at 32.7 ms once chosen). The reference's mean
-        now may rest on a few steps (a bucket visited only as requests start
-        and end): carried, the other block moves with it, so the two still
-        compare as they did when both were measured; raw, that noisy mean
-        against an old one decided (a paired trial measured b = 2 at 1.58x
-        plain decoding's step time in batch 2-3; four minutes later, after the
-        bucket had seen few steps, b = 2 was its best measured block, which
-        with S_1 near 0.35 only the raw comparison explains).
-        A block whose snapshot lacks the most recent block is carried by the
-        most recent block it has one of, itself carried first (most recent
-        first, so the levels chain): batch 4-7 had b = 3 from a paired trial
-        with b = 2 while plain decoding had never run there; once plain
-        decoding ran, b = 3's old mean against its new one said b = 3 was
-        14 % better, on a machine whose speed had since halved, and the bucket
-        ran b = 3 at 0.83x plain decoding's throughput for 25 minutes."""
+        """Mean step times of the bucket's ``blocks``, each carried to the present
+        by the bucket's most recently run block (the reference): scaled by how much
+        the reference has changed since the block last ran, if the reference's mean
+        then rested on ``min_steps`` (decayed) steps. Growing contexts and a busier
+        machine slow every block alike, so raw means from different moments compare
+        moments, not blocks. A block without a snapshot of the reference is carried
+        by the most recent block it has one of, itself carried first (levels chain)."""
         cells = {b: self.step_time[(bucket, b)] for b in blocks}
         carried: dict[int, float] = {}
         for b in sorted(cells, key=lambda b: (cells[b].last_update, cells[b].samples), reverse=True):
@@ -207,9 +191,7 @@ def _tail_ratio(curve: list[float]) -> float:
     """S_(k+1) / S_k beyond the measured positions: the smaller of the last
     measured ratio and the mean ratio since S_1, (S_m / S_1) ** (1 / (m - 1)), so
     a few lucky long runs at the measured tail are not stretched over the whole
-    block (a served run measured 0.32, 0.09, 0.07, 0.07, 0.07, 0.07: the last
-    ratio, 1.0, put S = 0.07 at every position up to 15 and chose b = 16 at two
-    requests, which then ran 36 % below plain decoding). With S_1 alone: S_1."""
+    block. With S_1 alone: S_1."""
     if len(curve) == 1:
         return curve[0]
     last = curve[-1] / curve[-2] if curve[-2] > 0 else 0.0

@@ -11,9 +11,12 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from service.controller.decide import BUCKETS, ControllerSettings, ControllerState, Decision, decide
+from service import metric_names as names
+from service.controller.decide import ControllerState, Decision, decide
 from service.controller.estimates import Observation
+from service.controller.settings import ControllerSettings
 from service.controller.source import SourceError
+from service.metric_names import BUCKETS
 from speculative.policy import BlockPolicy
 
 log = logging.getLogger(__name__)
@@ -23,15 +26,15 @@ class ControllerMetrics:
     """The controller's own decisions and estimates, for the dashboards."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.block_size = Gauge("dflash_controller_block_size", "Chosen block size", ["bucket"], registry=registry)
+        self.block_size = Gauge(names.CONTROLLER_BLOCK_SIZE, "Chosen block size", ["bucket"], registry=registry)
         self.goodput = Gauge(
-            "dflash_controller_goodput",
+            names.CONTROLLER_GOODPUT,
             "Estimated committed tokens per row-second",
             ["bucket", "block_size"],
             registry=registry,
         )
-        self.decisions = Counter("dflash_controller_decisions", "Decisions taken", registry=registry)
-        self.errors = Counter("dflash_controller_errors", "Failed observations or pushes", ["stage"], registry=registry)
+        self.decisions = Counter(names.CONTROLLER_DECISIONS, "Decisions taken", registry=registry)
+        self.errors = Counter(names.CONTROLLER_ERRORS, "Failed observations or pushes", ["stage"], registry=registry)
         for stage in ("observe", "push"):  # exported at 0 from the start, so rates and alerts see them
             self.errors.labels(stage)
 
@@ -51,11 +54,9 @@ class ControllerLoop:
     ``trial_interval_s``: while a trial is in its first ``interval_s`` or its
     bucket decoded since the previous decision, decide this often instead (a
     trial ends once its window has enough steps; waiting out a whole interval
-    would run a block the controller already found worse for most of it; a
-    trial that began while its bucket was idle is past its first interval when
-    traffic returns: on the slow cadence a batch 8-15 trial took ~5 s of a
-    13 s sweep level). A trial whose bucket is idle is judged on the slow
-    cadence: looking more often would only cost.
+    would run a block the controller already found worse for most of it). A
+    trial whose bucket is idle is judged on the slow cadence: looking more
+    often would only cost.
     ``counters_from_zero``: the observed counters started with this controller
     (in-process), so the first observation holds what ran before it, the
     start-up profile, kept as the step-time shape; otherwise (a replica's

@@ -8,18 +8,21 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import httpx2
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from service import metric_names as names
 from service.controller.estimates import Observation
 
-STEP_SUM = "dflash_step_seconds_sum"
-STEP_COUNT = "dflash_step_seconds_count"
-ACCEPTED = "dflash_accepted_tokens_per_position_total"
-VERIFIED = "dflash_verified_tokens_per_position_total"
+# The samples the controller reads: a histogram's _sum and _count, counters' _total.
+STEP_SUM = f"{names.STEP_SECONDS}_sum"
+STEP_COUNT = f"{names.STEP_SECONDS}_count"
+ACCEPTED = f"{names.ACCEPTED_PER_POSITION}_total"
+VERIFIED = f"{names.VERIFIED_PER_POSITION}_total"
 
 
 class SourceError(RuntimeError):
@@ -33,9 +36,9 @@ def observation_from_text(texts: Iterable[str], now: float) -> Observation:
 
 def observation_from_collectors(collectors: Iterable[Collector], now: float) -> Observation:
     """The counters straight from this process's metric objects: the same
-    numbers as rendering and parsing ``/metrics``, at a tenth of the cost
-    (bundled service: 7-10 ms against 60-110 ms, all of it holding the GIL the
-    engine's loop needs), so the in-process controller can look often."""
+    numbers as rendering and parsing ``/metrics``, at a tenth of the cost (all
+    of it holding the GIL the engine's loop needs), so the in-process
+    controller can look often."""
     return _observation((family for collector in collectors for family in collector.collect()), now)
 
 
@@ -78,8 +81,7 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
     accepted: dict[int, float] = {}
     verified: dict[int, float] = {}
     # One evaluation time for all four queries: evaluated at "now" one after the
-    # other, a histogram's _sum and _count could come from different scrapes
-    # (a cell once read as 0 s over 2 steps).
+    # other, a histogram's _sum and _count could come from different scrapes.
     at = time.time()
     for name, query in queries.items():
         for series in instant_query(base_url, query, timeout, at):
@@ -91,7 +93,7 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
     return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
 
 
-def instant_query(base_url: str, query: str, timeout: float = 5.0, at: float | None = None) -> list[dict]:
+def instant_query(base_url: str, query: str, timeout: float = 5.0, at: float | None = None) -> list[dict[str, Any]]:
     """The result vector of a PromQL instant query, evaluated at Unix time ``at``
     (default: Prometheus' now); SourceError on any failure."""
     params = {"query": query} if at is None else {"query": query, "time": f"{at:.3f}"}

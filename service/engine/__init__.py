@@ -23,12 +23,13 @@ ENGINES = {
 }
 
 
-def engine_class(name: str) -> type:
+def engine_class(name: str) -> type[Engine]:
     """The engine class registered as ``name``."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; known: {sorted(ENGINES)}")
     module, _, attr = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    cls: type[Engine] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 __all__ = [

@@ -18,10 +18,11 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from service.config import ServeSettings
+from service.engine.profile import profile_step_times
 from service.engine.text import Decoder, TextStream
 from service.engine.types import (
     BlockPolicy,
@@ -40,7 +41,7 @@ from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
 from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
-from speculative.session import DecodeSession, RoundStats
+from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, Proposal, RoundStats
 from speculative.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,8 @@ class NativeEngineConfig:
     max_batch_size: int = 16
     max_waiting: int = 64
     policy: BlockPolicy | None = None
-    compact_slack: int = 64
-    proposal: str = "argmax"
+    compact_slack: int = DEFAULT_COMPACT_SLACK
+    proposal: Proposal = "argmax"
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_waiting < 0:
@@ -69,7 +70,7 @@ class _Job:
 
     request: GenerateRequest
     loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
+    out: asyncio.Queue[Delta]
     text: TextStream
     generated: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
@@ -88,7 +89,7 @@ class NativeEngine:
         draft: DFlashDraftModel | None,
         tokenizer: Decoder,
         config: NativeEngineConfig | None = None,
-        on_step: collections.abc.Callable[[RoundStats, float], None] | None = None,
+        on_step: collections.abc.Callable[[RoundStats, float, int], None] | None = None,
     ) -> None:
         config = config or NativeEngineConfig()
         self.session = DecodeSession(target, draft, proposal=config.proposal, compact_slack=config.compact_slack)
@@ -97,7 +98,7 @@ class NativeEngine:
         self._policy = config.policy or BlockPolicy.fixed(self.session.max_block_size)
         check_policy(self._policy, self.session.max_block_size)
         self._waiting: collections.deque[_Job] = collections.deque()
-        self._running: dict[str, _Job] = {}
+        self._running: dict[Hashable, _Job] = {}  # by request id: the session's row key
         self._prefilling = 0  # admitted, not yet running: they count against the queue limit
         self._lock = threading.Condition()
         self._draining = False
@@ -162,6 +163,18 @@ class NativeEngine:
     def context_length(self) -> int:
         """The target's context length."""
         return self.target.context_length
+
+    def profile_steps(self, batch_sizes: Sequence[int], steps: int) -> list[tuple[RoundStats, float]]:
+        """Time ``steps`` rounds per batch size and block size on random prompts
+        (``service.engine.profile``); only before ``start``, while the session is
+        the caller's alone."""
+        if self._thread.is_alive():
+            raise RuntimeError("profile before start(): the scheduler thread owns the session")
+        timed: list[tuple[RoundStats, float]] = []
+        profile_step_times(
+            self.session, lambda stats, seconds: timed.append((stats, seconds)), batch_sizes=batch_sizes, steps=steps
+        )
+        return timed
 
     # ----------------------------------------------------------------- requests
 
@@ -271,15 +284,16 @@ class NativeEngine:
             self._running[key].send(Delta("", (), "error"))
         self._finish(failed)
         for stats, emitted in rounds:
+            output = self._deliver(emitted, stats)
             if self.on_step is not None:
-                self.on_step(stats, stats.draft_seconds + stats.verify_seconds)
-            self._deliver(emitted, stats)
+                self.on_step(stats, stats.draft_seconds + stats.verify_seconds, output)
 
-    def _deliver(self, emitted: dict[str, list[int]], stats: RoundStats | None) -> None:
+    def _deliver(self, emitted: dict[Hashable, list[int]], stats: RoundStats | None) -> int:
         """Send each row its tokens (``emitted`` in the order of ``stats``' rows);
         finish rows at a stop token, stop string or the length limit; free
-        finished rows."""
-        done = []
+        finished rows. Returns how many tokens the rows output (a row's last
+        round may commit tokens past its end, which are not output)."""
+        done, output = [], 0
         committed = dict(zip(emitted, stats.committed, strict=True)) if stats else {}
         for key, tokens in emitted.items():
             job = self._running[key]
@@ -289,6 +303,7 @@ class NativeEngine:
                 )
             kept, finish = cut_at_stop(tokens, job.request.max_tokens - job.generated, job.request.stop_token_ids)
             job.generated += len(kept)
+            output += len(kept)
             text = job.text.push(kept, final=finish is not None)
             if job.text.stopped:
                 finish = "stop"
@@ -296,6 +311,7 @@ class NativeEngine:
             if finish is not None:
                 done.append(key)
         self._finish(done)
+        return output
 
     def _drop_aborted(self) -> None:
         with self._lock:
@@ -304,7 +320,7 @@ class NativeEngine:
             self._running[key].send(Delta("", (), "abort"))
         self._finish(gone)
 
-    def _finish(self, keys: list[str]) -> None:
+    def _finish(self, keys: list[Hashable]) -> None:
         if not keys:
             return
         self.session.remove(keys)
@@ -323,10 +339,10 @@ class NativeEngine:
         self.session.remove([j.request.request_id for j in jobs])
 
 
-Round = tuple[RoundStats, dict[str, list[int]]]
+Round = tuple[RoundStats, dict[Hashable, list[int]]]
 
 
-def _step_isolating(session: DecodeSession, b: int) -> tuple[list[Round], list[str]]:
+def _step_isolating(session: DecodeSession, b: int) -> tuple[list[Round], list[Hashable]]:
     """One round for every row of ``session``: the rounds that ran and the rows
     that failed. A round that raises is rolled back (``DecodeSession.step``)
     and run again on each half of the rows, down to single rows, so only a row

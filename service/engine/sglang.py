@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from service.config import ServeSettings
@@ -44,7 +44,7 @@ from speculative.sglang.logic import ADAPTIVE_ALGORITHM, StepCell, StepCounters
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS: dict[object, str] = {"stop": "stop", "length": "length", "abort": "abort"}  # keyed by what SGLang sent
 
 
 def server_args(settings: ServeSettings, draft_block_size: int) -> dict[str, Any]:
@@ -141,7 +141,7 @@ class SGLangEngine:
         self.runtime, self.tokenizer, self.metrics = runtime, tokenizer, metrics
         self.poll_interval_s = poll_interval_s
         self._steps_seen = StepCounters()
-        self._poller: asyncio.Task | None = None
+        self._poller: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._max_block_size, self._context_length = max_block_size, context_length
         self.capacity, self.max_batch_size = max_batch_size + max_waiting, max_batch_size
@@ -219,6 +219,7 @@ class SGLangEngine:
         """Stop admitting; abort in-flight requests unless draining; shut SGLang down."""
         self._draining = True
         if self._poller is not None:
+            assert self._loop is not None  # start() set it with the poller
             self._loop.call_soon_threadsafe(self._poller.cancel)
         if not drain:
             for rid in list(self._in_flight):
@@ -235,6 +236,10 @@ class SGLangEngine:
         check_policy(policy, self._max_block_size)
         self.rpc("dflash_set_policy", policy_json=policy.to_json())
         self._policy = policy
+
+    def profile_steps(self, batch_sizes: Sequence[int], steps: int) -> None:
+        """No start-up profile: SGLang's schedulers own the batches."""
+        return None
 
     def stats(self) -> EngineStats:
         """In-flight requests split at ``max_batch_size`` (SGLang's own queue is

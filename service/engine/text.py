@@ -9,11 +9,13 @@ string is never streamed in part.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 
 class Decoder(Protocol):
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+    """What the engines use of a tokenizer (as transformers' tokenizers type it)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
 
 
 class TextStream:
@@ -31,7 +33,7 @@ class TextStream:
         """Add tokens; return the text that may be released now. After a stop
         string is found, ``stopped`` is True and the text ends before it."""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = cast(str, self.tokenizer.decode(self.token_ids, skip_special_tokens=True))  # one sequence: one text
         search_from = max(0, self.released - self.hold)
         hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:

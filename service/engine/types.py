@@ -3,7 +3,7 @@ and the block-size policy."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from service.config import ServeSettings
     from service.engine.text import Decoder
     from service.metrics import Metrics
+    from speculative.session import RoundStats
 
 
 class EngineError(Exception):
@@ -132,3 +133,10 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def set_policy(self, policy: BlockPolicy) -> None: ...
+
+    def profile_steps(self, batch_sizes: Sequence[int], steps: int) -> list[tuple[RoundStats, float]] | None:
+        """Time ``steps`` real steps per batch size and block size before serving
+        (before ``start``): each step's stats and seconds, for step-time metrics
+        only (the prompts are random, so acceptance means nothing). None: the
+        engine cannot profile."""
+        ...

@@ -7,6 +7,7 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,7 +21,7 @@ from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 
 
-def benchmark(args: argparse.Namespace) -> dict:
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the sweep; returns every row (outputs dropped) for the JSON line."""
     settings = BenchSettings(
         block_sizes=tuple(args.block_sizes),
@@ -35,8 +36,11 @@ def benchmark(args: argparse.Namespace) -> dict:
     precision = choose_dtype(args.dtype)
     target = TargetModel.from_pretrained(args.target, dtype=precision.dtype)
     draft = load_draft(args.draft, dtype=precision.dtype)
+    # functools.wraps types PreTrainedModel.to with its unbound ``self`` as the first argument.
     assistant = (
-        AutoModelForCausalLM.from_pretrained(str(args.assistant)).to(precision.dtype) if args.assistant else None
+        AutoModelForCausalLM.from_pretrained(str(args.assistant)).to(precision.dtype)  # type: ignore[arg-type]
+        if args.assistant
+        else None
     )
     rows, diagnoses = [], {}
     for name in args.datasets:
@@ -68,14 +72,16 @@ def benchmark(args: argparse.Namespace) -> dict:
     return summary | ({"diagnosis": diagnoses} if args.diagnose else {})
 
 
-def _row(dataset: str, method: str, result: dict, baseline: dict, **extra: object) -> dict:
+def _row(
+    dataset: str, method: str, result: dict[str, Any], baseline: dict[str, Any], **extra: object
+) -> dict[str, Any]:
     row = {"dataset": dataset, "method": method, **extra}
     row.update({k: v for k, v in result.items() if k != "outputs"})
     row["speedup"] = result["tokens_per_s"] / baseline["tokens_per_s"]
     return row
 
 
-def _measured_tau(rows: list[dict], dataset: str, block_size: int) -> float | None:
+def _measured_tau(rows: list[dict[str, Any]], dataset: str, block_size: int) -> float | None:
     """Greedy batch-1 DFlash tau at ``block_size`` (None when not benchmarked)."""
     found = [
         r["tau"]
@@ -88,7 +94,7 @@ def _measured_tau(rows: list[dict], dataset: str, block_size: int) -> float | No
     return found[0] if found else None
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict[str, Any]]) -> None:
     """The human-readable table."""
     header = f"{'dataset':<10} {'method':<17} {'T':>3} {'batch':>5} {'tau':>5} {'4gram':>6} {'tok/s':>8} {'speedup':>8}"
     print(header)

@@ -18,6 +18,7 @@ target's own greedy outputs (the ones the benchmark just decoded).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def diagnose(
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
     params: SamplingParams,
-) -> dict:
+) -> dict[str, Any]:
     """Target confidence, teacher-forced slot accuracy and simulated tau over
     greedy ``outputs`` of ``prompts`` (outputs shorter than 2 tokens skipped)."""
     slots = min(SLOTS, draft.block_size - 1)
@@ -78,7 +79,7 @@ def diagnose(
     }
 
 
-def print_diagnosis(dataset: str, diagnosis: dict) -> None:
+def print_diagnosis(dataset: str, diagnosis: dict[str, Any]) -> None:
     """One human-readable line per dataset (``measured_tau``: greedy batch-1
     tau at the draft's block, when benchmarked)."""
     accuracy = diagnosis["teacher_forced_accuracy"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -15,6 +16,9 @@ from speculative.decode import DecodeConfig, GenerationResult, spec_generate
 from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ def run_dflash(
     temperature: float,
     settings: BenchSettings,
     stop_token_ids: tuple[int, ...],
-) -> dict:
+) -> dict[str, Any]:
     """Decode every prompt (in batches) and return throughput and acceptance."""
     config = DecodeConfig(block_size=block_size, max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids)
     merged = GenerationResult(tokens=[], finish_reasons=[])
@@ -90,14 +94,15 @@ def run_hf_generate(
     settings: BenchSettings,
     stop_token_ids: tuple[int, ...],
     **generate_kwargs: object,
-) -> dict:
+) -> dict[str, Any]:
     """transformers ``generate`` at batch 1 (plain, assisted or prompt lookup)."""
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
     outputs, start = [], time.perf_counter()
     for i, prompt in enumerate(prompts):
         torch.manual_seed(settings.seed + i)
         ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(
+        # Every causal LM of transformers mixes in GenerationMixin (PreTrainedModel does not declare it).
+        out = cast("GenerationMixin", model).generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=settings.max_new_tokens,

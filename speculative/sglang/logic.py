@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from speculative.policy import CANDIDATE_BLOCK_SIZES, BlockPolicy, Turns
 
@@ -118,13 +119,16 @@ class BlockRuntime:
     draft's attention backends and graph runners (captured at that width) and
     the draft sampler folded into the draft graph (None: argmax runs eagerly).
     One set per block size, swapped in before a step, as SGLang's adaptive
-    EAGLE keeps one runtime state per step count."""
+    EAGLE keeps one runtime state per step count.
 
-    target_attn_backend: object
-    target_graph_runner: object | None
-    draft_attn_backend: object
-    draft_graph_runner: object | None
-    draft_sampler: object | None
+    The fields are SGLang objects, typed ``Any`` on purpose: SGLang is not
+    importable where this module is type-checked (nor needed to run it)."""
+
+    target_attn_backend: Any
+    target_graph_runner: Any  # None without graphs
+    draft_attn_backend: Any
+    draft_graph_runner: Any  # None without graphs
+    draft_sampler: Any | None
 
 
 class BlockStateCache:
@@ -137,7 +141,8 @@ class BlockStateCache:
     step still being read (overlap scheduling) are never overwritten.
     """
 
-    def __init__(self, worker: object, fresh: Callable[[int], dict[str, object]]) -> None:
+    def __init__(self, worker: Any, fresh: Callable[[int], dict[str, object]]) -> None:
+        # ``worker``: SGLang's DFlash worker (Any: SGLang is not importable here).
         self.worker, self.fresh = worker, fresh
         self.active = int(worker.block_size)
         self.saved: dict[int, dict[str, object]] = {}
@@ -199,7 +204,7 @@ class StepCounters:
         per_position = [sum(n > k for n in accept_lengths) for k in range(block_size - 1)]
         self.cell(len(accept_lengths), block_size).add(1, seconds, per_position, int(graph))
 
-    def to_report(self) -> list[dict]:
+    def to_report(self) -> list[dict[str, Any]]:
         """JSON-ready rows (SGLang ships internal state as builtins)."""
         return [
             {
@@ -214,7 +219,7 @@ class StepCounters:
         ]
 
     @classmethod
-    def from_reports(cls, reports: Sequence[Sequence[dict]]) -> StepCounters:
+    def from_reports(cls, reports: Sequence[Sequence[dict[str, Any]]]) -> StepCounters:
         """The sum of several schedulers' reports (data-parallel ranks batch separately)."""
         total = cls()
         for report in reports:

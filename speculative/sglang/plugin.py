@@ -19,7 +19,9 @@ scheduler, detokenizer). It installs, without a fork or site-packages edits:
    ``dflash_adaptive``.
 
 Nothing heavy is imported here: hooks name their targets by dotted path and the
-worker module is imported when a scheduler creates its worker.
+worker module is imported when a scheduler creates its worker. SGLang's objects
+(server args, algorithms, schedulers, workers) are typed ``Any`` on purpose:
+SGLang is not importable where this module is type-checked.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from speculative.policy import BlockPolicy
 from speculative.sglang.logic import ADAPTIVE_ENV, AcceptCounters, resolve_algorithm
@@ -57,7 +61,7 @@ def register() -> None:
         add_scheduler_rpcs(sys.modules[SCHEDULER_MODULE].Scheduler)
 
 
-def rewrite_algorithm(server_args, *args, **kwargs):
+def rewrite_algorithm(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ``ServerArgs.resolve_once``: DFLASH_ADAPTIVE -> DFLASH + adaptive."""
     name, adaptive = resolve_algorithm(getattr(server_args, "speculative_algorithm", None))
     if adaptive:
@@ -66,7 +70,7 @@ def rewrite_algorithm(server_args, *args, **kwargs):
     return None
 
 
-def choose_worker(original, algorithm, server_args, *args, **kwargs):
+def choose_worker(original: Callable[..., Any], algorithm: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND ``SpeculativeAlgorithm.create_worker``."""
     worker = original(algorithm, server_args, *args, **kwargs)
     if not (adaptive_enabled() and algorithm.is_dflash()):
@@ -81,9 +85,9 @@ def choose_worker(original, algorithm, server_args, *args, **kwargs):
     return AdaptiveDFlashWorker
 
 
-def report_state(result, controller, state, *args, **kwargs):
+def report_state(result: Any, controller: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
     """AFTER ``_add_speculative``: the policy and counters of this scheduler."""
-    worker = getattr(controller.scheduler, "draft_worker", None)
+    worker: Any = getattr(controller.scheduler, "draft_worker", None)  # an adaptive worker has block_policy
     if hasattr(worker, "block_policy"):
         state["dflash_adaptive"] = {
             "policy": worker.block_policy.to_dict(),
@@ -94,23 +98,23 @@ def report_state(result, controller, state, *args, **kwargs):
     return None
 
 
-def add_scheduler_rpcs(scheduler_class: type) -> None:
+def add_scheduler_rpcs(scheduler_class: Any) -> None:
     """Methods ``Engine.collective_rpc`` can call (HookRegistry only wraps
     existing attributes, so these are set directly)."""
     scheduler_class.dflash_set_policy = _set_policy
     scheduler_class.dflash_probe = _probe
 
 
-def _adaptive_worker(scheduler):
+def _adaptive_worker(scheduler: Any) -> Any:
     worker = getattr(scheduler, "draft_worker", None)
     if not hasattr(worker, "set_block_policy"):
         raise RuntimeError("the DFlash adaptive worker is not running (DFLASH_ADAPTIVE / DFLASH_SERVE_ADAPTIVE=1?)")
     return worker
 
 
-def _set_policy(self, policy_json: str) -> None:
+def _set_policy(self: Any, policy_json: str) -> None:
     _adaptive_worker(self).set_block_policy(BlockPolicy.from_json(policy_json))
 
 
-def _probe(self) -> None:
+def _probe(self: Any) -> None:
     _adaptive_worker(self)

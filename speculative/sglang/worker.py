@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -71,10 +71,12 @@ from speculative.sglang.logic import (
 log = logging.getLogger(__name__)
 
 
-class AdaptiveDFlashWorker(DFlashWorkerV2):
+# SGLang is not importable where this module is type-checked: its classes and the
+# objects they hand over (batches, model runners, backends, hooks) are ``Any``.
+class AdaptiveDFlashWorker(DFlashWorkerV2):  # type: ignore[misc]  # DFlashWorkerV2 is Any (see above)
     """DFlash draft worker whose verify block follows ``policy`` every step."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.trained_block_size = int(self.block_size)
         argmax_draft = self.selector is None and self.lilicorr is None and not self._is_domino
@@ -128,7 +130,7 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         draft.attn_backend, draft.decode_cuda_graph_runner = runtime.draft_attn_backend, runtime.draft_graph_runner
         self._draft_sampler = runtime.draft_sampler
 
-    def _capture_runtime(self, block: int, trained: BlockRuntime, draft_hooks: list) -> BlockRuntime:
+    def _capture_runtime(self, block: int, trained: BlockRuntime, draft_hooks: list[Any]) -> BlockRuntime:
         """Backends and graphs for ``block``: what upstream builds at start-up for
         the ``trained`` block, built again while everything it reads says ``block``.
         ``draft_hooks``: the draft runner's capture hooks other than the trained
@@ -183,7 +185,7 @@ class AdaptiveDFlashWorker(DFlashWorkerV2):
         self.block_policy = policy
         log.info("DFlash block policy %s", policy)
 
-    def forward_batch_generation(self, batch, *args, **kwargs):
+    def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if decode:
             batch_size = len(batch.seq_lens)
@@ -263,13 +265,14 @@ class _StepClock:
     end event completes), or wall time on other devices (synchronous there)."""
 
     def __init__(self, start: torch.cuda.Event | float) -> None:
-        self.begin, self.end = start, None
+        self.begin = start
+        self.end: torch.cuda.Event | float | None = None  # set by stop(), of start's kind
 
     @classmethod
     def start(cls, device: torch.device | str) -> _StepClock:
         if torch.device(device).type != "cuda":
             return cls(time.perf_counter())
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated in torch
         event.record()
         return cls(event)
 
@@ -277,17 +280,26 @@ class _StepClock:
         if isinstance(self.begin, float):
             self.end = time.perf_counter()
         else:
-            self.end = torch.cuda.Event(enable_timing=True)
-            self.end.record()
+            self.end = end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # as in start
+            end.record()
         return self
 
     def done(self) -> bool:
-        return isinstance(self.end, float) or self.end.query()
+        end = self.end
+        if isinstance(end, float):
+            return True
+        assert end is not None, "done() before stop()"
+        finished: bool = end.query()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return finished
 
     def seconds(self) -> float:
-        if isinstance(self.begin, float):
-            return self.end - self.begin
-        return self.begin.elapsed_time(self.end) / 1e3  # milliseconds
+        begin, end = self.begin, self.end
+        if isinstance(begin, float):
+            assert isinstance(end, float), "seconds() before stop()"
+            return end - begin
+        assert end is not None and not isinstance(end, float), "seconds() before stop()"
+        milliseconds: float = begin.elapsed_time(end)
+        return milliseconds / 1e3
 
 
 class _PendingStep(NamedTuple):
@@ -297,21 +309,21 @@ class _PendingStep(NamedTuple):
     graph: bool
 
 
-def _skipped_draft_forward(forward_batch, *args, **kwargs) -> ModelRunnerOutput:
+def _skipped_draft_forward(forward_batch: Any, *args: Any, **kwargs: Any) -> ModelRunnerOutput:
     """What a plain step's draft forward returns: hidden states [bs, 1] (upstream
     views them as [bs, 1, 1] and drafts from slots 1.., of which there are none)."""
     placeholder = torch.empty((forward_batch.batch_size, 1), device=forward_batch.input_ids.device)
     return ModelRunnerOutput(LogitsProcessorOutput(next_token_logits=None, hidden_states=placeholder), False)
 
 
-def _owns_graphs(model_runner) -> bool:
+def _owns_graphs(model_runner: Any) -> bool:
     """Whether the runner captured decode graphs (a draft runner that did not
     holds its eager runner there instead)."""
     runner = model_runner.decode_cuda_graph_runner
     return runner is not None and runner is not getattr(model_runner, "eager_runner", None)
 
 
-def _fresh_attention_backend(model_runner):
+def _fresh_attention_backend(model_runner: Any) -> Any:
     """A new attention backend of the runner's kind with its own workspace (a
     graph runner sizes its backend's graph buffers to its width; sharing one
     backend would resize the trained block's buffers under its graphs), bound

@@ -8,12 +8,13 @@ dflash-train draft --target models/pycoder-12m --data runs/data.jsonl --out mode
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from speculative.cliflags import add_dataclass_flags, dataclass_kwargs
 from speculative.train.corpus import Corpus, function_pairs, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, train_draft
 from speculative.train.model_card import write_card
@@ -45,21 +46,7 @@ def lm_card(cfg: TargetTrainConfig) -> str:
     return TARGET_CARD
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--flag`` per config field (the config is the single source of flags)."""
-    for field in dataclasses.fields(cls):
-        if field.name in PATH_FIELDS:
-            continue
-        kind = {"int": int, "float": float}.get(str(field.type), str)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
-
-
-def _fields(args: dict, cls: type) -> dict:
-    names = {f.name for f in dataclasses.fields(cls)} - PATH_FIELDS
-    return {k: v for k, v in args.items() if k in names}
-
-
-PROMPT_FAMILIES = {
+PROMPT_FAMILIES: dict[str, tuple[str, Callable[[str], list[str]]]] = {
     "functions": ("stdlib function prompts", lambda text: [pair.prompt for pair in function_pairs(text)]),
     "requests": ("stdlib docstring requests", request_prompts),
 }
@@ -89,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     target = commands.add_parser("target", help="train the bundled target LM from scratch")
     target.add_argument("--out", type=Path, required=True, help="final model directory")
     target.add_argument("--run-dir", type=Path, default=Path("runs/target"), help="checkpoints and token cache")
-    _add_dataclass_flags(target, TargetTrainConfig)
+    add_dataclass_flags(target, TargetTrainConfig, PATH_FIELDS)
 
     data = commands.add_parser("data", help="regenerate responses to corpus prompts with the target")
     data.add_argument("--target", type=Path, required=True, help="target model directory")
@@ -103,25 +90,28 @@ def main(argv: list[str] | None = None) -> None:
         "request; mixed: code, math, chat, writing and explanations, decontaminated against the benchmarks",
     )
     data.add_argument("--time-limit-minutes", type=float, default=0.0, help="stop resumably after this long")
-    _add_dataclass_flags(data, RegenerateConfig)
+    add_dataclass_flags(data, RegenerateConfig, PATH_FIELDS)
 
     draft = commands.add_parser("draft", help="train a DFlash draft on regenerated data")
     draft.add_argument("--target", type=Path, required=True, help="target model directory")
     draft.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
     draft.add_argument("--out", type=Path, required=True, help="draft directory (official format)")
     draft.add_argument("--run-dir", type=Path, default=Path("runs/draft"), help="checkpoints")
-    _add_dataclass_flags(draft, DraftTrainConfig)
+    add_dataclass_flags(draft, DraftTrainConfig, PATH_FIELDS)
 
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    cfg: TargetTrainConfig | RegenerateConfig | DraftTrainConfig
     if command == "target":
-        cfg = TargetTrainConfig(out_dir=args["out"], run_dir=args["run_dir"], **_fields(args, TargetTrainConfig))
+        cfg = TargetTrainConfig(
+            out_dir=args["out"], run_dir=args["run_dir"], **dataclass_kwargs(args, TargetTrainConfig, PATH_FIELDS)
+        )
         summary = train_target(cfg)
         if summary["finished"]:
             write_card(cfg.out_dir, cfg.out_dir.name, lm_card(cfg), "dflash-train " + " ".join(argv))
     elif command == "data":
-        cfg = RegenerateConfig(**_fields(args, RegenerateConfig))
+        cfg = RegenerateConfig(**dataclass_kwargs(args, RegenerateConfig, PATH_FIELDS))
         prompts = corpus_prompts(args["prompts"], args["limit"], cfg.seed)
         made = provenance(prompts, cfg.seed) if args["prompts"] == MIXED else None
         summary = regenerate_chat_prompts(
@@ -135,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         paths = dict(target_dir=args["target"], data=tuple(args["data"]), out_dir=args["out"], run_dir=args["run_dir"])
-        cfg = DraftTrainConfig(**paths, **_fields(args, DraftTrainConfig))
+        cfg = DraftTrainConfig(**paths, **dataclass_kwargs(args, DraftTrainConfig, PATH_FIELDS))
         summary = train_draft(cfg)
         if summary["finished"]:
             write_card(cfg.out_dir, cfg.out_dir.name, DRAFT_CARD, "dflash-train " + " ".join(argv))

@@ -73,12 +73,14 @@ def function_pairs(source: str, *, min_body_lines: int = 3, max_chars: int = 300
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.decorator_list:
             continue
         docstring = ast.get_docstring(node)
-        if not docstring or len(node.body) < 2 or node.end_lineno - node.lineno < min_body_lines:
+        end, body_end = node.end_lineno, node.body[0].end_lineno
+        assert end is not None and body_end is not None  # ast.parse records where every node ends
+        if not docstring or len(node.body) < 2 or end - node.lineno < min_body_lines:
             continue
-        function = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+        function = textwrap.dedent("\n".join(lines[node.lineno - 1 : end]))
         if len(function) > max_chars:
             continue
-        header = "\n".join(function.splitlines()[: node.body[0].end_lineno - node.lineno + 1])
+        header = "\n".join(function.splitlines()[: body_end - node.lineno + 1])
         pairs.append(ChatPair(prompt="Complete this Python function:\n" + header, response=function))
     return pairs
 

@@ -64,7 +64,8 @@ class ResumableRun:
 
     def elapsed(self) -> float:
         """Training seconds over every resumed session."""
-        return self.state["seconds"] + time.monotonic() - self._started
+        seconds: float = self.state["seconds"]
+        return seconds + time.monotonic() - self._started
 
     def advance(self, **postfix: str) -> None:
         """Count one step and show ``postfix`` on the progress bar."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from fractions import Fraction
+from typing import Any
 
 from speculative.train.prompt_topics import items
 
@@ -297,7 +298,7 @@ CLOSINGS = (
 )
 
 
-class Blanks(dict):
+class Blanks(dict[str, Any]):  # Any: names, numbers and fractions, which the draws combine
     """A problem's blanks, each drawn from ``BLANKS`` the first time a template asks for it."""
 
     def __init__(self, rng: random.Random) -> None:

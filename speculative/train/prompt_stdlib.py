@@ -204,10 +204,11 @@ def _function(module: str, name: str, node: ast.FunctionDef | ast.AsyncFunctionD
     """A function or method (``name`` has a dot; its signature drops ``self``), quoting
     its source when it is short and has code after the docstring."""
     docstring, signature = ast.get_docstring(node) or "", _signature(node, drop_self="." in name)
-    if len(node.body) > bool(docstring) and node.end_lineno - node.lineno < MAX_SOURCE_LINES:
-        text = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+    end, first = node.end_lineno, node.body[0]
+    assert end is not None and first.end_lineno is not None  # ast.parse records where every node ends
+    if len(node.body) > bool(docstring) and end - node.lineno < MAX_SOURCE_LINES:
+        text = textwrap.dedent("\n".join(lines[node.lineno - 1 : end]))
         if len(text) <= MAX_SOURCE_CHARS and not text[0].isspace():
-            first = node.body[0]
             doc_line = first.lineno - node.lineno
             code_line = first.end_lineno - node.lineno + 1 if docstring else doc_line
             return Definition(module, name, "function", signature, docstring, text, doc_line, code_line)

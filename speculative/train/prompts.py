@@ -143,7 +143,7 @@ def build_prompts(limit: int, seed: int) -> list[Prompt]:
     return chosen
 
 
-def provenance(prompts: list[Prompt], seed: int) -> dict:
+def provenance(prompts: list[Prompt], seed: int) -> dict[str, object]:
     """What a prompt set is, for the data command's meta file: the seed, counts per
     family, the shares asked for, the pool sizes, what decontamination dropped,
     and the Python version (the stdlib families depend on it)."""

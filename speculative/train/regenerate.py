@@ -18,6 +18,7 @@ from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -85,7 +86,7 @@ def regenerate_stream(
     stop_token_ids: tuple[int, ...],
     config: RegenerateConfig,
     draft: DFlashDraftModel | None = None,
-) -> Iterator[dict]:
+) -> Iterator[dict[str, Any]]:
     """Yield one record per prompt (keyed by its index) as soon as it finishes.
 
     Rows decode together in one ``DecodeSession``; a finished row leaves at once
@@ -132,7 +133,7 @@ def regenerate(
     prompts: Sequence[list[int]],
     stop_token_ids: tuple[int, ...],
     config: RegenerateConfig,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """One record per prompt, in prompt order (``regenerate_stream`` collected)."""
     records = {r["id"]: r for r in regenerate_stream(target, dict(enumerate(prompts)), stop_token_ids, config)}
     return [records[i] for i in range(len(prompts))]
@@ -146,8 +147,8 @@ def regenerate_chat_prompts(
     *,
     source: str | Sequence[str],
     time_limit_minutes: float = 0.0,
-    provenance: dict | None = None,
-) -> dict:
+    provenance: dict[str, object] | None = None,
+) -> dict[str, Any]:
     """Apply the target's chat template to ``prompts`` (``source``: one label for
     all, or one per prompt), regenerate, and append each record to
     ``out.jsonl`` as it finishes; ``out.meta.json`` is written once every prompt

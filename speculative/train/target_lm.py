@@ -13,6 +13,7 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -65,7 +66,7 @@ def model_config(cfg: TargetTrainConfig, tokenizer: PreTrainedTokenizerFast) -> 
         num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.hidden_size // cfg.num_heads,
         max_position_embeddings=cfg.context_length,
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # type: ignore[call-arg]  # a legacy kwarg transformers' configs still take
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
@@ -75,7 +76,7 @@ def model_config(cfg: TargetTrainConfig, tokenizer: PreTrainedTokenizerFast) -> 
 
 def prepare_tokens(
     cfg: TargetTrainConfig, corpus: Corpus
-) -> tuple[PreTrainedTokenizerFast, torch.Tensor, torch.Tensor, dict]:
+) -> tuple[PreTrainedTokenizerFast, torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Train (or reload) the tokenizer and tokenize the corpus once into the run
     directory: files and chat pairs, shuffled, joined by end-of-text; a fraction
     of the documents is held out for validation."""
@@ -95,7 +96,10 @@ def prepare_tokens(
     eot = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     encoded = tokenizer(documents, add_special_tokens=False)["input_ids"]
     n_valid = max(1, int(len(encoded) * cfg.validation_fraction))
-    join = lambda docs: torch.tensor([t for d in docs for t in [*d, eot]], dtype=torch.int32)  # noqa: E731
+
+    def join(docs: list[list[int]]) -> torch.Tensor:
+        return torch.tensor([t for d in docs for t in [*d, eot]], dtype=torch.int32)
+
     valid, train = join(encoded[:n_valid]), join(encoded[n_valid:])
     info = {
         "corpus": str(corpus.root),
@@ -119,9 +123,9 @@ def sample_batch(tokens: torch.Tensor, cfg: TargetTrainConfig, generator: torch.
 @torch.no_grad()
 def validation_loss(model: Qwen3ForCausalLM, valid: torch.Tensor, cfg: TargetTrainConfig, batches: int = 8) -> float:
     """Mean next-token loss over fixed validation windows."""
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is unannotated
     generator = torch.Generator().manual_seed(1234)
-    losses = []
+    losses: list[float] = []
     for _ in range(batches):
         batch = sample_batch(valid, cfg, generator)
         losses.append(model(batch, labels=batch).loss.item())
@@ -129,14 +133,15 @@ def validation_loss(model: Qwen3ForCausalLM, valid: torch.Tensor, cfg: TargetTra
     return sum(losses) / len(losses)
 
 
-def train_target(cfg: TargetTrainConfig, corpus: Corpus | None = None) -> dict:
+def train_target(cfg: TargetTrainConfig, corpus: Corpus | None = None) -> dict[str, Any]:
     """Train (or resume) the target; write the final model when all steps are done.
     Returns the run summary (also written as ``training.json`` beside the model)."""
     corpus = corpus or Corpus.stdlib()
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, train, valid, info = prepare_tokens(cfg, corpus)
     torch.manual_seed(cfg.seed)
-    model = Qwen3ForCausalLM(model_config(cfg, tokenizer)).float().train()
+    # transformers' float() is unannotated.
+    model: Qwen3ForCausalLM = Qwen3ForCausalLM(model_config(cfg, tokenizer)).float().train()  # type: ignore[no-untyped-call]
     if cfg.init_from:
         start = Qwen3ForCausalLM.from_pretrained(cfg.init_from, local_files_only=True, dtype=torch.float32)
         model.load_state_dict(start.state_dict())
@@ -170,7 +175,8 @@ def train_target(cfg: TargetTrainConfig, corpus: Corpus | None = None) -> dict:
     run.close()
     summary = {"finished": True, "config": {k: str(v) for k, v in asdict(cfg).items()}, "data": info, **run.state}
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(str(cfg.out_dir), safe_serialization=True)
+    # functools.wraps types PreTrainedModel.to with its unbound ``self`` as the first argument.
+    model.to(torch.bfloat16).save_pretrained(str(cfg.out_dir), safe_serialization=True)  # type: ignore[arg-type]
     save_tokenizer(tokenizer, cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

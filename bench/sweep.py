@@ -33,13 +33,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import openai
 
+from bench.load import level_speedup, run_level, scrape_speedup_counters
 from service.controller.estimates import Observation
 from service.controller.source import scrape_replicas
-from service.loadgen import run_level
 from speculative.bench.datasets import humaneval
 
 
@@ -58,16 +59,19 @@ class Mode:
         kind, _, block = text.partition(":")
         if kind != "fixed" or not block.isdigit() or int(block) < 1:
             raise argparse.ArgumentTypeError(f"mode must be 'adaptive' or 'fixed:B', got {text!r}")
-        return cls(text, ("--block-size", block, "--controller", "false"))
+        # The profile gives a server that never runs b = 1 its plain-decoding rate (the achieved speedup's reference).
+        profile = ("--profile-startup", "true") if int(block) > 1 else ()
+        return cls(text, ("--block-size", block, "--controller", "false", *profile))
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(mode: Mode, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     """``dflash-serve`` for ``mode``, ready to serve."""
     port = free_port()
     command = [
@@ -114,14 +118,16 @@ def turns(modes: list[str], rotation: int) -> list[str]:
     return modes[shift:] + modes[:shift]
 
 
-async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[str, list[dict]], list[list]]:
+async def measure(
+    urls: dict[str, str], args: argparse.Namespace
+) -> tuple[dict[str, list[dict[str, Any]]], list[list[str | int]]]:
     """A warm-up pass, then ``args.repeats`` measured passes, each level run by
     every mode in turn: one summary per mode and level (tokens/s averaged over
     the passes, each pass's value kept), and the (pass, concurrency, mode)
     order the levels ran in."""
     texts = [p.text for p in humaneval()]
-    runs: dict[str, list[list[dict]]] = {name: [[] for _ in args.concurrency] for name in urls}
-    order: list[list] = []
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [[] for _ in args.concurrency] for name in urls}
+    order: list[list[str | int]] = []
     clients = {
         name: openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         for name, url in urls.items()
@@ -134,16 +140,21 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> tuple[dict[
                 prompts = [texts[j % len(texts)] for j in range(max(2, per_level * concurrency))]
                 for name in turns(list(urls), i + p):
                     before = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
+                    counters = await asyncio.to_thread(scrape_speedup_counters, urls[name])
                     level = await run_level(
                         clients[name], models[name], prompts, concurrency, args.max_tokens, 0.0, args.repetition_penalty
                     )
                     after = await asyncio.to_thread(scrape_replicas, [urls[name]], 0.0)
+                    level.achieved_speedup = level_speedup(
+                        counters, await asyncio.to_thread(scrape_speedup_counters, urls[name])
+                    )
                     order.append([phase, concurrency, name])
                     if phase != "warm-up":
                         summary = {**level.summary(), "step_seconds_by_block": step_seconds_by_block(before, after)}
                         runs[name][i].append(summary)
                         print(
                             f"{phase} c={concurrency} {name}: {summary['output_tokens_per_s']:.1f} tok/s, "
+                            f"achieved speedup {summary['achieved_speedup'] or float('nan'):.2f}x, "
                             f"step time by block {block_mix(summary['step_seconds_by_block'])}",
                             flush=True,
                         )
@@ -171,11 +182,12 @@ def block_mix(seconds: dict[int, float]) -> str:
     return ", ".join(f"b{b} {s / total:.0%}" for b, s in seconds.items()) if total else "none"
 
 
-def average_passes(passes: list[dict]) -> dict:
+def average_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
     """One level's summary over repeated passes: the last pass's latencies,
     tokens/s averaged, every pass's tokens/s, and step seconds per block summed
     over the passes."""
     values = [p["output_tokens_per_s"] for p in passes]
+    speedups = [p["achieved_speedup"] for p in passes if p.get("achieved_speedup")]
     blocks: dict[int, float] = {}
     for p in passes:
         for b, s in p.get("step_seconds_by_block", {}).items():
@@ -184,15 +196,17 @@ def average_passes(passes: list[dict]) -> dict:
         **passes[-1],
         "output_tokens_per_s": sum(values) / len(values),
         "output_tokens_per_s_passes": values,
+        "achieved_speedup": sum(speedups) / len(speedups) if speedups else None,
         "step_seconds_by_block": dict(sorted(blocks.items())),
     }
 
 
-def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
+def compare(results: dict[str, list[dict[str, Any]]], levels: list[int]) -> dict[str, Any]:
     """Adaptive against the best fixed mode per level and against fixed:16."""
     fixed = [name for name in results if name.startswith("fixed:")]
     tps = {name: [level["output_tokens_per_s"] for level in summaries] for name, summaries in results.items()}
-    out: dict = {"tokens_per_s": tps, "concurrency": levels}
+    speedups = {name: [level.get("achieved_speedup") for level in summaries] for name, summaries in results.items()}
+    out: dict[str, Any] = {"tokens_per_s": tps, "achieved_speedup": speedups, "concurrency": levels}
     if "adaptive" in tps and fixed:
         best = [max(tps[name][i] for name in fixed) for i in range(len(levels))]
         out["adaptive_vs_best_fixed"] = [a / b for a, b in zip(tps["adaptive"], best, strict=True)]
@@ -202,7 +216,7 @@ def compare(results: dict[str, list[dict]], levels: list[int]) -> dict:
     return out
 
 
-def plot(comparison: dict, path: Path, title: str) -> None:
+def plot(comparison: dict[str, Any], path: Path, title: str) -> None:
     """Output tokens/s against concurrency, one line per mode."""
     import matplotlib
 
@@ -250,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     modes = [Mode.parse(m, args.controller_interval_s) for m in args.modes]
-    processes: list[subprocess.Popen] = []
+    processes: list[subprocess.Popen[bytes]] = []
     try:
         urls = {}
         for mode in modes:
@@ -268,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<12}" + "".join(f"{v:>9.1f}" for v in values))
     if "adaptive_vs_best_fixed" in comparison:
         print(f"{'adapt/best':<12}" + "".join(f"{r:>9.2f}" for r in comparison["adaptive_vs_best_fixed"]))
+    print("achieved speedup over plain decoding (the servers' own step counters):")
+    for name, values in comparison["achieved_speedup"].items():
+        print(f"{name:<12}" + "".join(f"{v:>8.2f}x" if v else f"{'-':>9}" for v in values))
     if "adaptive" in results:
         for concurrency, level in zip(args.concurrency, results["adaptive"], strict=True):
             print(f"adaptive c={concurrency}: step time by block {block_mix(level['step_seconds_by_block'])}")

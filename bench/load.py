@@ -3,8 +3,10 @@
 For each concurrency level, ``requests`` streaming chat completions (HumanEval
 prompts) run with at most ``concurrency`` in flight, through the official async
 OpenAI client. Reported per level: output tokens/s, TTFT and inter-chunk
-latency p50/p99, end-to-end latency, and the mean acceptance length the server
-reports (``speculative`` field of the usage chunk; absent on other servers).
+latency p50/p99, end-to-end latency, the mean acceptance length the server
+reports (``speculative`` field of the usage chunk; absent on other servers),
+and the achieved speedup over plain decoding the server's step counters show
+for the level (``service.metrics``; absent on servers without them).
 A human table, then one JSON line.
 """
 
@@ -17,10 +19,18 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import httpx2
 import openai
 
+from service.metrics import SpeedupCounters, counters_between, overall_achieved_speedup, speedup_counters
 from speculative.bench.datasets import humaneval
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from service.engine import Engine
 
 
 @dataclass
@@ -41,8 +51,9 @@ class LevelResult:
     concurrency: int
     seconds: float
     results: list[RequestResult] = field(default_factory=list)
+    achieved_speedup: float | None = None
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         gaps = sorted(g for r in self.results for g in r.gaps)
         ttfts = sorted(r.ttft for r in self.results)
         taus = [r.acceptance_length for r in self.results if r.acceptance_length]
@@ -56,7 +67,20 @@ class LevelResult:
             "itl_p99_s": percentile(gaps, 99),
             "e2e_mean_s": statistics.fmean(r.e2e for r in self.results),
             "acceptance_length": statistics.fmean(taus) if taus else None,
+            "achieved_speedup": self.achieved_speedup,
         }
+
+
+def scrape_speedup_counters(url: str) -> SpeedupCounters:
+    """The achieved speedup's counters on the server's ``/metrics``; none from
+    a server without that page (another engine under comparison)."""
+    response = httpx2.get(url.rstrip("/") + "/metrics", timeout=10)
+    return speedup_counters(response.text) if response.status_code == 200 else {}
+
+
+def level_speedup(before: SpeedupCounters, after: SpeedupCounters) -> float | None:
+    """The achieved speedup of what the server ran between two scrapes."""
+    return overall_achieved_speedup(counters_between(before, after))
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -69,11 +93,14 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 async def one_request(
     client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, temperature: float, penalty: float = 1.0
-):
+) -> RequestResult:
     """Stream one chat completion and time it (``penalty``: repetition_penalty,
     sent only when set, since not every server accepts it)."""
     start = time.perf_counter()
-    ttft, last, gaps, tokens, tau = None, start, [], 0, None
+    ttft: float | None = None
+    tau: float | None = None
+    gaps: list[float] = []
+    last, tokens = start, 0
     stream = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -121,7 +148,12 @@ async def run_level(
 
 
 async def direct_level(
-    engine, tokenizer, prompts: list[str], max_tokens: int, temperature: float, penalty: float = 1.0
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float,
+    penalty: float = 1.0,
 ) -> LevelResult:
     """The same requests through ``engine.generate`` in-process, one at a time:
     the baseline that shows what HTTP + SSE add at concurrency 1."""
@@ -136,7 +168,10 @@ async def direct_level(
         sampling = SamplingParams(temperature, repetition_penalty=penalty)
         request = GenerateRequest(f"direct-{i}", ids, max_tokens, sampling, stop)
         start = time.perf_counter()
-        ttft, last, gaps, tokens, tau = None, start, [], 0, None
+        ttft: float | None = None
+        tau: float | None = None
+        gaps: list[float] = []
+        last, tokens = start, 0
         async for delta in engine.generate(request):
             now = time.perf_counter()
             if delta.text:
@@ -152,7 +187,7 @@ async def direct_level(
     return level
 
 
-async def sweep(args: argparse.Namespace) -> list[dict]:
+async def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every concurrency level in turn; returns their summaries."""
     client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
     model = args.model or (await client.models.list()).data[0].id
@@ -180,21 +215,24 @@ async def sweep(args: argparse.Namespace) -> list[dict]:
         print_row(summaries[-1])
     for concurrency in args.concurrency:
         prompts = [texts[i % len(texts)] for i in range(args.requests or max(4, 2 * concurrency))]
+        before = await asyncio.to_thread(scrape_speedup_counters, args.url)
         level = await run_level(
             client, model, prompts, concurrency, args.max_tokens, args.temperature, args.repetition_penalty
         )
+        level.achieved_speedup = level_speedup(before, await asyncio.to_thread(scrape_speedup_counters, args.url))
         summaries.append({**level.summary(), "mode": "http"})
         print_row(summaries[-1])
     return summaries
 
 
-def print_row(s: dict) -> None:
+def print_row(s: dict[str, Any]) -> None:
     """One line of the human table."""
     tau = f"{s['acceptance_length']:.2f}" if s["acceptance_length"] else "-"
+    speedup = f"{s['achieved_speedup']:.2f}x" if s.get("achieved_speedup") else "-"
     print(
         f"{s['mode']:<13} {s['concurrency']:>5} {s['requests']:>5} {s['output_tokens_per_s']:>9.1f} "
         f"{s['ttft_p50_s'] * 1000:>8.0f} {s['ttft_p99_s'] * 1000:>8.0f} "
-        f"{s['itl_p50_s'] * 1000:>7.1f} {s['itl_p99_s'] * 1000:>7.1f} {s['e2e_mean_s']:>7.2f} {tau:>5}",
+        f"{s['itl_p50_s'] * 1000:>7.1f} {s['itl_p99_s'] * 1000:>7.1f} {s['e2e_mean_s']:>7.2f} {tau:>5} {speedup:>7}",
         flush=True,
     )
 
@@ -215,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     columns = ("conc", 5), ("reqs", 5), ("tok/s", 9), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7)
     header = " ".join(f"{name:>{width}}" for name, width in columns)
-    print(f"{'mode':<13} {header} {'e2e':>7} {'tau':>5}   (ms; e2e in s)")
+    print(f"{'mode':<13} {header} {'e2e':>7} {'tau':>5} {'speedup':>7}   (ms; e2e in s; speedup: achieved)")
     summaries = asyncio.run(sweep(args))
     print(json.dumps({"url": args.url, "max_tokens": args.max_tokens, "levels": summaries}))
 

@@ -1,4 +1,4 @@
-"""Optional start-up profile: time real engine steps at a few batch sizes and
+"""The start-up profile: time real decoding steps at a few batch sizes and
 block sizes before serving, so the controller starts from measured step times
 instead of only its prior (``dflash-serve --profile-startup``)."""
 
@@ -23,18 +23,14 @@ def profile_step_times(
     seed: int = 0,
 ) -> None:
     """Run ``steps`` rounds per (batch size, block size) on random prompts and
-    report each step's stats and seconds to ``observe`` (e.g. the metrics'
-    step-time histogram). Acceptance on random prompts is meaningless, so
-    callers should record step times only.
+    report each step's stats and seconds to ``observe``. Acceptance on random
+    prompts is meaningless: callers should record step times only.
 
-    Per batch size the block sizes take turns step by step: on a shared VM step
-    times drift by 1.5x within seconds (bundled pair, batch 1: 20-step runs of
-    b = 8 read 11.9 and 18.3 ms 20 s apart, and one pass timed b = 8 slower than
-    b = 16), so timing each block in its own run compared blocks under different
-    conditions; in turns, drift moves every block alike and the shape of t(b)
-    survives. Each block's first step is not reported: the first step at a new
-    shape pays one-off costs (kernel selection, buffer growth). ``session`` must
-    be empty and is left empty."""
+    Per batch size the block sizes take turns step by step: a shared machine's
+    speed drifts within seconds, and in turns the drift moves every block alike,
+    so the shape of t(b) survives. Each block's first step is not reported: the
+    first step at a new shape pays one-off costs (kernel selection, buffer
+    growth). ``session`` must be empty and is left empty."""
     if len(session):
         raise ValueError("profile an idle session")
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: app, request/response schemas, error shapes."""
