@@ -2,6 +2,7 @@
 looked up exactly, anchors follow a coverage, features come from a store built
 once, and held-out accuracy is logged as training goes."""
 
+import dataclasses
 import json
 import math
 
@@ -61,6 +62,30 @@ def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_p
     assert point["response_tokens_per_second"] > 0
     assert summary["curve"][-1]["loss"] < summary["curve"][0]["loss"]
     assert load_draft(tmp_path / "draft").config.target_layer_ids != (0, 1, 2, 3)  # a subset of the store's layers
+
+
+def test_training_distils_the_targets_top_k_from_the_store(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    config = DraftTrainConfig(
+        target_dir=root / "target",
+        data=(root / "data.jsonl",),
+        out_dir=tmp_path / "draft",
+        run_dir=tmp_path / "run",
+        block_size=8,
+        anchor_coverage=2.0,
+        batch_size=4,
+        epochs=2.0,
+        lr=3e-3,
+        checkpoint_every=4,
+        feature_store=str(tmp_path / "store"),
+        distill_top_k=8,
+        distill_weight=0.5,
+    )
+    summary = train_draft(config)
+    assert summary["finished"] and summary["curve"][-1]["loss"] < summary["curve"][0]["loss"]
+    assert json.loads((tmp_path / "store" / INDEX).read_text())["teacher_top_k"] == 8
+    with pytest.raises(ValueError, match="needs distill_top_k"):
+        dataclasses.replace(config, distill_top_k=0)
 
 
 def test_a_holdout_of_every_record_is_refused(tiny_pipeline, tmp_path):

@@ -68,3 +68,26 @@ def test_features_only_forward_skips_the_lm_head(data):
     lean = target.forward_sequences(ids, feature_layers=LAYERS, logits=False)
     assert lean.logits.shape[1] == 1 and torch.equal(lean.features, full.features)
     torch.testing.assert_close(lean.logits[:, -1], full.logits[:, -1])
+
+
+def test_a_teacher_top_k_is_stored_beside_the_features(data, tmp_path):
+    """The store's top-k are the target's most likely next tokens at every
+    position, with their log-probabilities; padded batches mark padding."""
+    target, records = data
+    store = build_feature_store(target, records, LAYERS, tmp_path, shard_records=3, batch_tokens=64, teacher_top_k=4)
+    assert store.teacher_top_k == 4
+    for i, (tokens, _) in enumerate(records):
+        logits = target.forward_sequences(torch.tensor([tokens])).logits[0]
+        expected = torch.log_softmax(logits.float(), dim=-1).topk(4, dim=-1)
+        ids, logprobs = store.teacher(i)
+        assert torch.equal(ids[:, 0], expected.indices[:, 0])  # the argmax is exact; ties below it may swap
+        torch.testing.assert_close(logprobs, expected.values.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+    ids, logprobs = store.teacher_batch([0, 2], width=40)
+    n = len(records[0][0])
+    assert ids.shape == logprobs.shape == (2, 40, 4)
+    assert (ids[0, n:] == -1).all() and torch.isinf(logprobs[0, n:]).all()
+    plain = build_feature_store(target, records, LAYERS, tmp_path / "plain", shard_records=3)
+    with pytest.raises(ValueError, match="no teacher"):
+        plain.teacher(0)
+    with pytest.raises(ValueError, match="other records, layers or target"):
+        build_feature_store(target, records, LAYERS, tmp_path, shard_records=3, teacher_top_k=2)

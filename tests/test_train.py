@@ -33,6 +33,7 @@ from speculative.train.objective import (
     dflash_loss,
     position_weights,
     sample_anchors,
+    teacher_cross_entropy,
 )
 from speculative.train.regenerate import RegenerateConfig, regenerate
 from speculative.train.target_lm import TargetTrainConfig, train_target
@@ -407,6 +408,46 @@ def test_labels_outside_the_draft_vocabulary_count_as_wrong():
     assert out.counted.tolist() == full_out.counted.tolist() == counted.sum(dim=(0, 1)).tolist()
     assert 0 < out.correct.sum() < out.counted.sum()
     torch.testing.assert_close(out.loss, torch.tensor(math.log(VOCAB // 2)))  # uniform over the K = 48 ids
+
+
+def test_distilling_a_one_hot_teacher_of_the_labels_is_the_hard_loss():
+    """A teacher whose top-1 is the label itself (the target's argmax, as in
+    greedy data) gives the same loss as the labels; weight 0 is the hard loss
+    exactly; a teacher elsewhere changes it."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    draft = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(block_size=4)))
+    tokens = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(3))
+    inputs = _loss_inputs(draft, target, tokens)
+    next_ids = torch.cat([tokens[:, 1:], torch.full((2, 1), -1)], dim=1)  # position p's next token
+    one_hot = (next_ids[..., None], torch.where(next_ids[..., None] >= 0, 0.0, float("-inf")))
+    with torch.no_grad():
+        hard = dflash_loss(draft, target, *inputs, gamma=2.0)
+        same = dflash_loss(draft, target, *inputs, gamma=2.0, teacher=one_hot, distill_weight=1.0)
+        none = dflash_loss(draft, target, *inputs, gamma=2.0, teacher=one_hot, distill_weight=0.0)
+        other = ((next_ids[..., None] + 1) % VOCAB, one_hot[1])
+        moved = dflash_loss(draft, target, *inputs, gamma=2.0, teacher=other, distill_weight=0.5)
+    torch.testing.assert_close(same.loss, hard.loss)
+    assert torch.equal(none.loss, hard.loss)
+    assert not torch.isclose(moved.loss, hard.loss)
+    assert same.correct.tolist() == hard.correct.tolist()
+
+
+def test_the_teacher_is_renormalised_over_the_draft_vocabulary():
+    """Cross-entropy against a two-token teacher: inside a reduced vocabulary
+    only the token the draft can propose keeps the mass; a teacher wholly
+    outside it has nothing to teach."""
+    draft = DFlashDraftModel(DFlashConfig.from_dict(draft_config_dict(block_size=4)))
+    draft.set_draft_vocab(torch.tensor([0, 2, 4]))
+    logits = torch.randn(1, 1, 3, 3)
+    positions = torch.tensor([[[0, 1, 2]]])
+    ids = torch.tensor([[[2, 3], [1, 3], [4, 0]]])  # position 1: no id in the vocabulary
+    logprobs = torch.log(torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]]]))
+    ce, known = teacher_cross_entropy(draft, logits, (ids, logprobs), positions)
+    log_q = torch.log_softmax(logits[0, 0], dim=-1)
+    assert known.tolist() == [[[True, False, True]]]
+    torch.testing.assert_close(ce[0, 0, 0], -log_q[0, 1])  # token 2 = draft index 1, renormalised to 1
+    torch.testing.assert_close(ce[0, 0, 2], -(0.5 * log_q[2, 2] + 0.5 * log_q[2, 0]))
 
 
 def test_frequent_token_ids_and_coverage():

@@ -1,6 +1,6 @@
 """Train a DFlash draft for a target on target-regenerated data.
 
-Recipe (REFERENCE section 3): random anchors from response positions, many
+Recipe (the DFlash paper, section 4, and docs/training.md): random anchors from response positions, many
 blocks per sequence in one forward under the block-sparse mask, same-position
 labels, slot 0 excluded, decaying position weights; the target, its embedding
 and LM head frozen; AdamW with warm-up and cosine decay, clipping 1.0.
@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -50,7 +51,10 @@ class DraftTrainConfig:
     drafts fed by different layers share one store). ``holdout``: records kept
     out of training whose teacher-forced slot accuracy is logged at each
     checkpoint. ``dtype`` bfloat16: autocast the draft (where the CPU has
-    native bf16)."""
+    native bf16). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
+    distil the target's top-k next-token distribution beside the hard labels
+    (loss ``(1 - w) * CE(label) + w * CE(teacher)``; with a feature store the
+    top-k is stored once beside the features)."""
 
     target_dir: Path
     data: tuple[Path, ...]
@@ -77,6 +81,14 @@ class DraftTrainConfig:
     feature_layers: str = ""
     holdout: int = 0
     dtype: str = "float32"
+    distill_top_k: int = 0
+    distill_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.distill_weight <= 1 or self.distill_top_k < 0:
+            raise ValueError("distill_weight must be in [0, 1] and distill_top_k >= 0")
+        if self.distill_weight > 0 and not self.distill_top_k:
+            raise ValueError("distill_weight > 0 needs distill_top_k > 0 (how many teacher tokens per position)")
 
 
 def draft_config_for(target: TargetModel, mask_token_id: int, cfg: DraftTrainConfig) -> DFlashConfig:
@@ -128,7 +140,7 @@ def collate(records: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Te
     return tokens, lengths, starts
 
 
-def train_draft(cfg: DraftTrainConfig) -> dict:
+def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     """Train (or resume) a draft; write it when all steps are done. Returns the
     run summary (also ``training.json`` next to the checkpoint)."""
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.target_dir), local_files_only=True)
@@ -177,14 +189,26 @@ def train_draft(cfg: DraftTrainConfig) -> dict:
     while not run.finished:
         index = [training[i] for i in torch.randint(0, len(training), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate([records[i] for i in index], tokenizer.pad_token_id)
-        count = cfg.anchors_per_sequence
+        count: int | torch.Tensor = cfg.anchors_per_sequence
         if cfg.anchor_coverage:
             count = coverage_counts(lengths, starts, cfg.block_size, cfg.anchor_coverage, cfg.anchors_per_sequence)
         anchors, valid = sample_anchors(lengths, starts, count, generator)
+        inputs = features(index, tokens)
         with autocast:
-            out = dflash_loss(draft, target, tokens, features(index, tokens), lengths, anchors, valid, gamma)
+            out = dflash_loss(
+                draft,
+                target,
+                tokens,
+                inputs.features,
+                lengths,
+                anchors,
+                valid,
+                gamma,
+                inputs.teacher,
+                cfg.distill_weight,
+            )
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        out.loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -238,8 +262,17 @@ def mask_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     return vocab[token]
 
 
-Features = Callable[[list[int], torch.Tensor], torch.Tensor]
-"""(record indices, their collated tokens [B, S]) -> the target's features [B, S, n*H]."""
+@dataclass(frozen=True)
+class TargetInputs:
+    """What the target gives a batch: its features [B, S, n*H] and, when
+    distilling, its top-k next-token ids and log-probabilities [B, S, k]."""
+
+    features: torch.Tensor
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+Features = Callable[[list[int], torch.Tensor], TargetInputs]
+"""(record indices, their collated tokens [B, S]) -> the target's inputs to the draft's loss."""
 
 
 def feature_source(
@@ -249,15 +282,37 @@ def feature_source(
     finished first; None while its build is still out of time) or a target
     forward per batch."""
     layers = draft.config.target_layer_ids
+    top_k = cfg.distill_top_k if cfg.distill_weight > 0 else 0
     if not cfg.feature_store:
-        return lambda _, tokens: target.forward_sequences(tokens, feature_layers=layers, logits=False).features
+
+        def forward(_: list[int], tokens: torch.Tensor) -> TargetInputs:
+            out = target.forward_sequences(tokens, feature_layers=layers, logits=top_k > 0)
+            assert out.features is not None  # the forward captured the draft's layers
+            if not top_k:
+                return TargetInputs(out.features)
+            top = torch.log_softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+            return TargetInputs(out.features, (top.indices, top.values))
+
+        return forward
     stored = tuple(int(x) for x in cfg.feature_layers.split(",")) if cfg.feature_layers else layers
     store = build_feature_store(
-        target, records, stored, Path(cfg.feature_store), time_limit_s=cfg.time_limit_minutes * 60
+        target,
+        records,
+        stored,
+        Path(cfg.feature_store),
+        time_limit_s=cfg.time_limit_minutes * 60,
+        teacher_top_k=cfg.distill_top_k,
     )
     if store is None:
         return None
-    return lambda index, tokens: store.batch(index, tokens.shape[1], layers)
+
+    def read(index: list[int], tokens: torch.Tensor) -> TargetInputs:
+        if not top_k:
+            return TargetInputs(store.batch(index, tokens.shape[1], layers))
+        ids, logprobs = store.teacher_batch(index, tokens.shape[1])
+        return TargetInputs(store.batch(index, tokens.shape[1], layers), (ids[..., :top_k], logprobs[..., :top_k]))
+
+    return read
 
 
 @torch.no_grad()
@@ -282,7 +337,7 @@ def heldout_accuracy(
     for i in held_out:
         tokens, lengths, starts = collate([records[i]], pad_id)
         anchors, valid = sample_anchors(lengths, starts, anchors_per_record, generator)
-        out = dflash_loss(draft, target, tokens, features([i], tokens), lengths, anchors, valid, gamma)
+        out = dflash_loss(draft, target, tokens, features([i], tokens).features, lengths, anchors, valid, gamma)
         correct += out.correct
         counted += out.counted
     draft.train(was_training)
@@ -313,7 +368,7 @@ def grow_from(draft: DFlashDraftModel, source: DFlashDraftModel) -> None:
     if unexpected or any(not key.startswith("layers.") and key != VOCAB_IDS_NAME for key in missing):
         raise ValueError(f"the source draft does not fit: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
-        for layer in draft.layers[len(source.layers) :]:
+        for layer in draft.draft_layers()[len(source.layers) :]:
             for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 projection.weight.zero_()
                 if projection.bias is not None:

@@ -9,6 +9,10 @@ bf16 safetensors shards (bf16 keeps fp32's range: hidden states with large
 outlier dimensions do not overflow). Building is resumable shard by shard; the
 index records which target, layers and data the features belong to, and a
 store built for anything else is refused.
+
+With ``teacher_top_k`` k > 0 the same forward also stores, per position, the
+target's k most likely next tokens and their log-probabilities (the soft labels
+of distillation: what the target would say next, not only what it said).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from speculative.target import TargetModel
 
 INDEX = "index.json"
 STORE_DTYPE = torch.bfloat16
+TEACHER_IDS, TEACHER_LOGPROBS = "top_ids", "top_logprobs"
+"""Tensor name suffixes of a record's teacher top-k (``"<record>.top_ids"``)."""
 
 
 def records_digest(records: Sequence[tuple[list[int], int]]) -> str:
@@ -44,7 +50,12 @@ class FeatureStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.index = json.loads((path / INDEX).read_text())
-        self._shards: dict[str, object] = {}
+        self._shards: dict[str, safe_open] = {}
+
+    @property
+    def teacher_top_k(self) -> int:
+        """How many of the target's most likely next tokens each position stores (0: none)."""
+        return int(self.index.get("teacher_top_k", 0))
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -53,10 +64,7 @@ class FeatureStore:
 
     def features(self, record: int, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
         """Record ``record``'s features, restricted to ``layer_ids`` (a subset of the store's, in that order)."""
-        shard = self.index["shards"][record // self.index["shard_records"]]
-        if shard not in self._shards:
-            self._shards[shard] = safe_open(str(self.path / shard), framework="pt")
-        stored = self._shards[shard].get_tensor(str(record)).float()
+        stored = self._tensor(record, str(record)).float()
         if layer_ids is None or tuple(layer_ids) == self.layer_ids:
             return stored
         width = stored.shape[-1] // len(self.layer_ids)
@@ -65,6 +73,33 @@ class FeatureStore:
             raise ValueError(f"the feature store holds layers {self.layer_ids}, not {missing}")
         parts = [stored[:, self.layer_ids.index(i) * width : (self.layer_ids.index(i) + 1) * width] for i in layer_ids]
         return torch.cat(parts, dim=-1)
+
+    def teacher(self, record: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record ``record``'s teacher: the target's top-k next-token ids [len, k]
+        (int64) and log-probabilities [len, k] (float32) at every position."""
+        if not self.teacher_top_k:
+            raise ValueError(f"the feature store {self.path} holds no teacher top-k (build it with teacher_top_k > 0)")
+        ids = self._tensor(record, f"{record}.{TEACHER_IDS}").long()
+        return ids, self._tensor(record, f"{record}.{TEACHER_LOGPROBS}").float()
+
+    def teacher_batch(self, records: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teachers of ``records`` right-padded to ``width`` positions: ids [B, width, k]
+        (padding -1) and log-probabilities [B, width, k] (padding -inf)."""
+        k = self.teacher_top_k
+        ids = torch.full((len(records), width, k), -1, dtype=torch.long)
+        logprobs = torch.full((len(records), width, k), float("-inf"))
+        for row, record in enumerate(records):
+            record_ids, record_logprobs = self.teacher(record)
+            ids[row, : len(record_ids)] = record_ids
+            logprobs[row, : len(record_ids)] = record_logprobs
+        return ids, logprobs
+
+    def _tensor(self, record: int, name: str) -> torch.Tensor:
+        shard = self.index["shards"][record // self.index["shard_records"]]
+        if shard not in self._shards:
+            self._shards[shard] = safe_open(str(self.path / shard), framework="pt")
+        tensor: torch.Tensor = self._shards[shard].get_tensor(name)  # type: ignore[no-untyped-call]  # unannotated stub
+        return tensor
 
     def batch(self, records: Sequence[int], width: int, layer_ids: Sequence[int] | None = None) -> torch.Tensor:
         """Features of ``records`` right-padded with zeros to ``width`` positions: [B, width, n*H]."""
@@ -84,6 +119,7 @@ def build_feature_store(
     shard_records: int = 256,
     batch_tokens: int = 4096,
     time_limit_s: float = 0.0,
+    teacher_top_k: int = 0,
 ) -> FeatureStore | None:
     """Compute (or finish computing) the features of every record into ``path``.
 
@@ -91,7 +127,8 @@ def build_feature_store(
     interrupted build resumes at the first missing shard. Inside a shard,
     records run in batches of about ``batch_tokens`` padded tokens, sorted by
     length to limit padding. Past ``time_limit_s`` (0: none) the build stops
-    after the shard in progress and returns None: call again to go on."""
+    after the shard in progress and returns None: call again to go on.
+    ``teacher_top_k`` > 0 also stores the target's top-k next tokens per position."""
     identity = {
         "layer_ids": list(layer_ids),
         "records": len(records),
@@ -100,6 +137,7 @@ def build_feature_store(
         "hidden_size": target.hidden_size,
         "shard_records": shard_records,
         "dtype": str(STORE_DTYPE).removeprefix("torch."),
+        "teacher_top_k": teacher_top_k,
     }
     index_file = path / INDEX
     if index_file.exists():
@@ -116,7 +154,12 @@ def build_feature_store(
             started = time.monotonic()
             name = f"features-{first // shard_records:05d}.safetensors"
             tensors = _shard_features(
-                target, records, range(first, min(first + shard_records, len(records))), tuple(layer_ids), batch_tokens
+                target,
+                records,
+                range(first, min(first + shard_records, len(records))),
+                tuple(layer_ids),
+                batch_tokens,
+                teacher_top_k,
             )
             save_file(tensors, str(path / name))
             index["shards"].append(name)
@@ -134,6 +177,7 @@ def _shard_features(
     members: range,
     layer_ids: tuple[int, ...],
     batch_tokens: int,
+    teacher_top_k: int,
 ) -> dict[str, torch.Tensor]:
     order = sorted(members, key=lambda i: len(records[i][0]))
     tensors: dict[str, torch.Tensor] = {}
@@ -147,7 +191,15 @@ def _shard_features(
         for row, i in enumerate(batch):
             ids[row, : len(records[i][0])] = torch.tensor(records[i][0])
         # Right padding: causal attention keeps every real token's features exact.
-        features = target.forward_sequences(ids, feature_layers=layer_ids, logits=False).features
+        out = target.forward_sequences(ids, feature_layers=layer_ids, logits=teacher_top_k > 0)
+        features = out.features
+        assert features is not None  # the forward captured layer_ids
+        if teacher_top_k:
+            top = torch.log_softmax(out.logits.float(), dim=-1).topk(teacher_top_k, dim=-1)
         for row, i in enumerate(batch):
-            tensors[str(i)] = features[row, : len(records[i][0])].to(STORE_DTYPE).contiguous().cpu()
+            n = len(records[i][0])
+            tensors[str(i)] = features[row, :n].to(STORE_DTYPE).contiguous().cpu()
+            if teacher_top_k:
+                tensors[f"{i}.{TEACHER_IDS}"] = top.indices[row, :n].to(torch.int32).contiguous().cpu()
+                tensors[f"{i}.{TEACHER_LOGPROBS}"] = top.values[row, :n].to(STORE_DTYPE).contiguous().cpu()
     return tensors

@@ -1,4 +1,4 @@
-"""The DFlash training objective (REFERENCE section 3), many blocks per sequence
+"""The DFlash training objective (the DFlash paper's recipe; docs/training.md), many blocks per sequence
 in one draft forward.
 
 For each sequence, ``m`` anchors are drawn from response positions; anchor a
@@ -17,6 +17,13 @@ A draft with a reduced draft vocabulary is trained on K-way logits only (full-
 vocabulary logits are never formed: that is its saving). Labels outside its
 vocabulary are left out of the loss, since the draft can never propose them,
 but count as wrong in the accuracy statistics, since serving rejects there.
+
+Distillation (``teacher``, ``distill_weight`` w): beside the hard label, slot k
+also learns the target's own next-token distribution at position ``a + k - 1``
+(its stored top-k, renormalised over the draft vocabulary): the loss per slot
+is ``(1 - w) * CE(label) + w * CE(teacher)``. Greedy serving accepts the
+target's argmax, which the label already is for greedy data; the teacher adds
+how close the runner-up was, a denser signal per token than the label alone.
 """
 
 from __future__ import annotations
@@ -138,9 +145,13 @@ def dflash_loss(
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
     gamma: float,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None,
+    distill_weight: float = 0.0,
 ) -> LossOutput:
     """DFlash loss of a batch (arguments as ``block_logits``; ``anchor_valid``
-    [B, m] False for padding anchors)."""
+    [B, m] False for padding anchors; ``teacher``: the target's top-k next-token
+    ids and log-probabilities [B, S, k] per position, padding id -1, used with
+    weight ``distill_weight``)."""
     b = draft.block_size
     seq_len = tokens.shape[1]
     logits = block_logits(draft, target, tokens, features, lengths, anchors)
@@ -149,10 +160,39 @@ def dflash_loss(
     labels = draft.draft_index(labels)  # -1: outside the draft vocabulary
     counted = anchor_valid[:, :, None] & (label_positions < lengths[:, None, None])
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), ignore_index=-1, reduction="none").view_as(labels)
-    weights = position_weights(b, gamma).to(tokens.device) * (counted & (labels >= 0))
+    slot_weights = position_weights(b, gamma).to(tokens.device)
+    weights = slot_weights * (counted & (labels >= 0))
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-8)
+    if teacher is not None and distill_weight > 0:
+        soft, known = teacher_cross_entropy(draft, logits, teacher, label_positions - 1)
+        soft_weights = slot_weights * (counted & known)
+        soft_loss = (soft * soft_weights).sum() / soft_weights.sum().clamp(min=1e-8)
+        loss = (1 - distill_weight) * loss + distill_weight * soft_loss
     correct = ((logits.argmax(-1) == labels) & counted).sum(dim=(0, 1))
     return LossOutput(loss=loss, correct=correct, counted=counted.sum(dim=(0, 1)))
+
+
+def teacher_cross_entropy(
+    draft: DFlashDraftModel,
+    logits: torch.Tensor,
+    teacher: tuple[torch.Tensor, torch.Tensor],
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy [B, m, b-1] of the draft's slot ``logits`` [B, m, b-1, K]
+    against the teacher's distribution at ``positions`` [B, m, b-1]: its top-k
+    probabilities inside the draft vocabulary, renormalised (what the draft can
+    propose); and whether any of that mass was inside (else nothing to learn)."""
+    ids, logprobs = teacher
+    flat = positions.clamp(0, ids.shape[1] - 1).flatten(1)[:, :, None].expand(-1, -1, ids.shape[-1])
+    top_ids = ids.gather(1, flat).view(*positions.shape, -1)
+    top_logprobs = logprobs.gather(1, flat).view(*positions.shape, -1)
+    index = draft.draft_index(top_ids)
+    inside = index >= 0
+    probs = torch.where(inside, top_logprobs.exp(), 0.0)
+    mass = probs.sum(-1, keepdim=True)
+    probs = probs / mass.clamp(min=1e-12)
+    draft_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, index.clamp(min=0))
+    return -(probs * draft_logprobs).sum(-1), mass[..., 0] > 0
 
 
 @torch.no_grad()
@@ -166,6 +206,7 @@ def greedy_guess_matches(draft: DFlashDraftModel, target: TargetModel, sequence:
     tokens = torch.tensor([sequence])
     anchors = torch.arange(start, n - 1)[None]
     features = target.forward_sequences(tokens, feature_layers=draft.config.target_layer_ids).features
+    assert features is not None  # the forward captured the draft's layers
     guesses = draft.target_ids(block_logits(draft, target, tokens, features, torch.tensor([n]), anchors)[0].argmax(-1))
     truth = torch.tensor(sequence + [-1] * b)[anchors[0, :, None] + torch.arange(1, b)]
     return guesses == truth
