@@ -64,7 +64,7 @@ def render(base_url: str, out_dir: Path, start: float, end: float, rate_window: 
                 ax.plot(*zip(*points, strict=True), label=legend(target.get("legendFormat", ""), series["metric"]))
         ax.set_title(panel["title"], fontsize=10)
         ax.set_xlabel("seconds")
-        ax.set_ylabel(panel["fieldConfig"]["defaults"].get("unit", ""))
+        ax.set_ylabel(panel["fieldConfig"]["defaults"].get("unit", "").removeprefix("suffix:"))
         if ax.has_data():
             ax.legend(fontsize=6, loc="best")
         fig.tight_layout()

@@ -40,6 +40,11 @@ class ServeSettings(BaseSettings):
         default=0.5, gt=0, description="seconds between decisions while a trial block is young or its bucket decodes"
     )
     profile_startup: bool = Field(default=False, description="time a few steps per batch/block size before serving")
+    plain_reference_every: int = Field(
+        default=64,
+        ge=0,
+        description="every N-th drafting step runs plain (b = 1): the achieved speedup's reference; 0: never",
+    )
     sglang_args: dict[str, Any] = Field(
         default_factory=dict, description="extra sglang.Engine arguments (--engine sglang), JSON: '{\"tp_size\": 2}'"
     )

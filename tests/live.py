@@ -67,7 +67,8 @@ def make_server(model, step_cost: StepCost | None = None, controller=False, prof
     cost, so what the controller measures follows the model however busy the
     machine is (the real steps must stay cheaper than the model)."""
     root, target, draft, tokenizer = model
-    engine_config = {k: settings.pop(k) for k in ("max_batch_size", "max_waiting") if k in settings}
+    engine_keys = ("max_batch_size", "max_waiting", "plain_reference_every")
+    engine_config = {k: settings.pop(k) for k in engine_keys if k in settings}
     metrics = Metrics()
 
     def on_step(stats, seconds, output_tokens):

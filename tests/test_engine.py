@@ -168,6 +168,21 @@ def test_a_paired_policy_alternates_blocks_step_by_step_losslessly(pair):
     assert len(seen) > 4 and seen == [4, 1] * (len(seen) // 2) + [4] * (len(seen) % 2)
 
 
+def test_every_nth_drafting_step_is_a_plain_reference_step_losslessly(pair):
+    """plain_reference_every = 3: drafting steps 3, 6, 9, ... run at b = 1 (the
+    achieved speedup's reference), and the output is still the target's."""
+    target, draft, tokenizer = pair
+    seen = []
+    config = NativeEngineConfig(policy=BlockPolicy.fixed(4), plain_reference_every=3)
+    engine = NativeEngine(target, draft, tokenizer, config, on_step=lambda s, *_: seen.append(s.block_size))
+    request = GenerateRequest("p", prompts(1)[0], 30)
+    _, ids, _ = run(engine, collect(engine, request))
+    assert ids == greedy(target, request.prompt_ids, request.max_tokens)
+    assert len(seen) > 6 and seen == [4, 4, 1] * (len(seen) // 3) + [4, 4][: len(seen) % 3]
+    with pytest.raises(ValueError, match="plain_reference_every"):
+        NativeEngineConfig(plain_reference_every=-1)
+
+
 def test_requests_beyond_the_context_are_invalid(pair):
     target, draft, tokenizer = pair
     engine = NativeEngine(target, draft, tokenizer)

@@ -221,13 +221,14 @@ def test_every_dashboard_query_returns_data_and_renders(model, tmp_path):
 
 def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pair, tmp_path):
     """The same greedy requests, one at a time, on a replica pinned at b = 16
-    (which never runs a plain step: its reference is the start-up profile) and
-    on one pinned at plain decoding. The dashboard's achieved speedup, through
-    a real Prometheus, equals the ratio of the two runs' output tokens per
-    step-second measured independently (the clients' token counts over steps
-    times their modelled cost); the plain replica's is 1."""
+    (every fourth drafting step a plain reference step; a start-up profile
+    too, which the served reference overrides) and on one pinned at plain
+    decoding. The dashboard's achieved speedup, through a real Prometheus,
+    equals the ratio of the two runs' output tokens per step-second measured
+    independently (the clients' token counts over the steps each block ran
+    times its modelled cost); the plain replica's is 1."""
     model, prompts = distilled_pair
-    pinned, pinned_engine = make_server(model, step_cost=STEP_COST, profile_batch_sizes=(1,))
+    pinned, pinned_engine = make_server(model, step_cost=STEP_COST, profile_batch_sizes=(1,), plain_reference_every=4)
     plain, plain_engine = make_server(model, step_cost=STEP_COST)
     pinned_engine.set_policy(BlockPolicy.fixed(16))
     plain_engine.set_policy(BlockPolicy.fixed(1))
@@ -235,7 +236,7 @@ def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pa
     with pinned as url_pinned, plain as url_plain, PrometheusServer(tmp_path, [url_pinned, url_plain], "500ms") as prom:
         # Prometheus starts scraping seconds after it is ready: the runs must fall inside its samples.
         wait_until(lambda: len(instant_query(prom.url, "up == 1")) == 2)
-        for name, url, b in (("pinned", url_pinned, 16), ("plain", url_plain, 1)):
+        for name, url, profiled in (("pinned", url_pinned, 4), ("plain", url_plain, 0)):
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             requests = prompts[:3]
             tokens = sum(
@@ -245,11 +246,14 @@ def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pa
                 for p in requests
             )
             steps = scrape_replicas([url], 0.0).step_seconds
-            served_steps = sum(count for (_, block), (_, count) in steps.items() if block == b)
-            if name == "pinned":
-                served_steps -= 4 * 1  # the profile's b = 16 steps at batch 1 (4 timed rounds) share the histogram
+            # The histogram holds the profile's 4 timed rounds per block too (batch 1 only).
+            seconds = sum((count - profiled) * STEP_COST(1, b) for (_, b), (_, count) in steps.items())
             # The prefill gives each request its first token; every other token came from a step.
-            measured[name] = (tokens - len(requests)) / (served_steps * STEP_COST(1, b))
+            measured[name] = (tokens - len(requests)) / seconds
+        assert {b for (_, b), (_, count) in scrape_replicas([url_pinned], 0.0).step_seconds.items() if count > 4} == {
+            1,
+            16,
+        }
 
         def achieved(url: str) -> dict[str, float]:
             query = achieved_speedup_promql("5m", f'instance="{url.removeprefix("http://")}"')
@@ -270,8 +274,7 @@ def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pa
 
         wait_until(scraped_all)
         pinned_speedup, plain_speedup = achieved(url_pinned), achieved(url_plain)
-    assert set(pinned_speedup) == set(plain_speedup) == {"1"}
+    assert pinned_speedup.keys() >= {"1"} and plain_speedup.keys() >= {"1"}
     assert plain_speedup["1"] == pytest.approx(1.0, rel=1e-3)
     assert measured["pinned"] / measured["plain"] > 2.0  # the distilled draft pays at b = 16 alone
-    # rate() extrapolates each series to the window's edges a little differently: a percent, not more.
-    assert pinned_speedup["1"] == pytest.approx(measured["pinned"] / measured["plain"], rel=0.02)
+    assert pinned_speedup["1"] == pytest.approx(measured["pinned"] / measured["plain"], rel=0.01)
