@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from bench.load import LevelResult, RequestResult
 from bench.sweep import Mode, average_passes, block_mix, compare, main, step_seconds_by_block, turns
 from service.controller.estimates import Observation
 
@@ -130,3 +131,11 @@ def test_sweep_runs_every_mode_and_plots(served_pair_dirs, tmp_path, capsys):
     # The same level's first mode changes from pass to pass.
     firsts = [mode for phase, c, mode in order[::3] if c == 1]
     assert firsts == ["fixed:1", "fixed:4", "adaptive"]
+
+
+def test_a_levels_acceptance_length_is_over_all_rounds():
+    """A request that loops has few long rounds: averaged per request it would
+    outweigh the others' many short ones."""
+    level = LevelResult(1, 1.0, [RequestResult(0.1, [], 1.0, 96, 12, 84), RequestResult(0.1, [], 1.0, 96, 68, 28)])
+    assert level.summary()["acceptance_length"] == pytest.approx((12 + 84 + 68 + 28) / (12 + 68))
+    assert LevelResult(1, 1.0, [RequestResult(0.1, [], 1.0, 9)]).summary()["acceptance_length"] is None
