@@ -185,6 +185,9 @@ def test_draft_training_learns_resumes_and_writes_official_format(tiny_pipeline,
         DraftTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", time_limit_minutes=1e-9, **common)
     )
     assert not stopped["finished"]
+    # A stopped chunk leaves the draft so far, loadable, marked unfinished; the checkpoint resumes it.
+    assert json.loads((tmp_path / "b" / "training.json").read_text())["finished"] is False
+    assert load_draft(tmp_path / "b").block_size == 8
     train_draft(DraftTrainConfig(out_dir=tmp_path / "b", run_dir=tmp_path / "rb", **common))
     a, b = load_draft(tmp_path / "a"), load_draft(tmp_path / "b")
     assert all(torch.equal(a.state_dict()[n], t) for n, t in b.state_dict().items())

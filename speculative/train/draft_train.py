@@ -234,15 +234,31 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
             correct.zero_()
             counted.zero_()
         if run.out_of_time():
-            return {"finished": False, **run.state}
+            # The draft so far, usable at once (training.json says "finished": false); the checkpoint resumes it.
+            partial = {"finished": False, "steps": steps, **run.state}
+            return write_draft(draft, cfg, partial, target.vocab_size, [records[i] for i in training])
     run.close()
+    finished = {"finished": True, "steps": steps, **run.state}
+    return write_draft(draft, cfg, finished, target.vocab_size, [records[i] for i in training])
+
+
+def write_draft(
+    draft: DFlashDraftModel,
+    cfg: DraftTrainConfig,
+    summary: dict[str, Any],
+    vocab_size: int,
+    records: list[tuple[list[int], int]],
+) -> dict[str, Any]:
+    """Save ``draft`` to ``cfg.out_dir`` in the official format with its
+    ``training.json`` (the run summary, the config and, with a draft
+    vocabulary, the share of the training ``records``' response tokens it
+    covers); returns the summary."""
     draft.eval()
     save_draft(draft, cfg.out_dir)
     config = {k: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in asdict(cfg).items()}
-    summary = {"finished": True, "steps": steps, "config": config, **run.state}
+    summary = {**summary, "config": config}
     if draft.draft_vocab_ids is not None:
-        train_tokens = response_tokens([records[i] for i in training])
-        coverage = token_coverage(train_tokens, draft.draft_vocab_ids, vocab_size=target.vocab_size)
+        coverage = token_coverage(response_tokens(records), draft.draft_vocab_ids, vocab_size=vocab_size)
         summary["draft_vocab"] = {"size": draft.draft_vocab_ids.numel(), "response_token_coverage": round(coverage, 4)}
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
