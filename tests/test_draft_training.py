@@ -74,12 +74,14 @@ def test_training_distils_the_targets_top_k_from_the_store(tiny_pipeline, tmp_pa
         block_size=8,
         anchor_coverage=2.0,
         batch_size=4,
-        epochs=2.0,
+        epochs=4.0,
         lr=3e-3,
-        checkpoint_every=4,
+        checkpoint_every=2,
         feature_store=str(tmp_path / "store"),
         distill_top_k=8,
         distill_weight=0.5,
+        holdout=2,
+        dtype="bfloat16",  # the target in bf16 too, and the held-out pass under the same autocast
     )
     summary = train_draft(config)
     assert summary["finished"] and summary["curve"][-1]["loss"] < summary["curve"][0]["loss"]

@@ -144,7 +144,9 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     """Train (or resume) a draft; write it when all steps are done. Returns the
     run summary (also ``training.json`` next to the checkpoint)."""
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.target_dir), local_files_only=True)
-    target = TargetModel.from_pretrained(cfg.target_dir)
+    # The target runs in the training dtype too: its features (computed once, or per batch) cost the most, and
+    # bf16 is what a CPU with native bf16 serves it in.
+    target = TargetModel.from_pretrained(cfg.target_dir, dtype=getattr(torch, cfg.dtype))
     for p in target.model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
@@ -225,7 +227,8 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
                 "response_tokens_per_second": round(trained_tokens / max(1e-9, run.elapsed() - started), 1),
             }
             if held_out:
-                held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
+                with autocast:
+                    held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
                 point.update(
                     holdout_accuracy_per_position=[round(a, 4) for a in held.tolist()],
                     holdout_expected_tau=expected_tau(held),
