@@ -125,6 +125,12 @@ class DecodeSession:
         return len(self.rows.keys)
 
     @property
+    def all_greedy(self) -> bool:
+        """Every row decodes greedily, so its output is the same under any
+        sequence of block sizes (a sampled row's draws depend on the blocks)."""
+        return all(p.temperature == 0 for p in self.rows.params)
+
+    @property
     def max_block_size(self) -> int:
         """Largest block a round may use: the draft's trained block, 1 without a draft."""
         return self.draft.block_size if self.draft is not None else 1

@@ -16,6 +16,7 @@ from service.engine import (
     QueueFullError,
 )
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
 
 
@@ -179,6 +180,12 @@ def test_every_nth_drafting_step_is_a_plain_reference_step_losslessly(pair):
     _, ids, _ = run(engine, collect(engine, request))
     assert ids == greedy(target, request.prompt_ids, request.max_tokens)
     assert len(seen) > 6 and seen == [4, 4, 1] * (len(seen) // 3) + [4, 4][: len(seen) % 3]
+    # A sampled row's draws depend on the blocks: with one in the batch no reference step runs.
+    seen.clear()
+    engine = NativeEngine(target, draft, tokenizer, config, on_step=lambda s, *_: seen.append(s.block_size))
+    sampled = GenerateRequest("s", prompts(1)[0], 30, SamplingParams(0.8, seed=3))
+    run(engine, collect(engine, sampled))
+    assert len(seen) > 6 and set(seen) == {4}
     with pytest.raises(ValueError, match="plain_reference_every"):
         NativeEngineConfig(plain_reference_every=-1)
 

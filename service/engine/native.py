@@ -52,11 +52,13 @@ class NativeEngineConfig:
     """Scheduler settings: rows decoded together at most, requests waiting at most,
     the initial block-size policy (None: the draft's trained block at every batch
     size), cache compaction slack (slots), draft proposals.
-    ``plain_reference_every`` N: every N-th drafting step runs as plain decoding
-    (b = 1) instead, so the achieved speedup compares against plain steps timed
-    at the same moment, batch and contexts (a start-up profile runs short random
-    prompts on an idle process: on the bundled pair its plain steps took 7 ms
-    against 16 ms served); 0: never."""
+    ``plain_reference_every`` N: every N-th drafting step of an all-greedy batch
+    runs as plain decoding (b = 1) instead, so the achieved speedup compares
+    against plain steps timed at the same moment, batch and contexts (a start-up
+    profile runs short random prompts on an idle process: on the bundled pair
+    its plain steps took 7 ms against 16 ms served). Greedy output is the same
+    under any blocks; a sampled row's draws are not, so a batch with one runs no
+    reference step and every request decodes what it decodes alone; 0: never."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -287,7 +289,8 @@ class NativeEngine:
 
     def _step(self, policy: BlockPolicy) -> None:
         b = self._turns.block_size(policy, len(self.session))
-        if b > 1 and self.config.plain_reference_every:
+        # Only while every row is greedy: a reference step must not change any request's output.
+        if b > 1 and self.config.plain_reference_every and self.session.all_greedy:
             self._drafting_steps += 1
             if self._drafting_steps % self.config.plain_reference_every == 0:
                 b = 1  # a plain-decoding reference step (NativeEngineConfig.plain_reference_every)
