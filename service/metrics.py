@@ -49,17 +49,27 @@ def _series(name: str, selector: str, *labels: str) -> str:
     return f"{name}{{{inside}}}" if inside else name
 
 
+def _ratio_by_bucket(numerator: str, denominator: str, window: str | None) -> str:
+    """``sum by (batch_bucket)`` of one series over the other's: their rates
+    over ``window``, or their cumulative values when ``window`` is None."""
+
+    def total(series: str) -> str:
+        return f"sum by (batch_bucket) ({series if window is None else f'rate({series}[{window}])'})"
+
+    return f"{total(numerator)} / {total(denominator)}"
+
+
 def _plain_rate(window: str, selector: str) -> str:
     b1 = 'block_size="1"'
-    rows, seconds = f"{names.SERVED_STEP_ROWS}_total", f"{names.SERVED_STEP_SECONDS}_total"
-    served = (
-        f"sum by (batch_bucket) (rate({_series(rows, selector, b1)}[{window}]))"
-        f" / sum by (batch_bucket) (rate({_series(seconds, selector, b1)}[{window}]))"
+    served = _ratio_by_bucket(
+        _series(f"{names.SERVED_STEP_ROWS}_total", selector, b1),
+        _series(f"{names.SERVED_STEP_SECONDS}_total", selector, b1),
+        window,
     )
-    rows, seconds = f"{names.PROFILE_STEP_ROWS}_total", f"{names.PROFILE_STEP_SECONDS}_total"
-    profiled = (
-        f"sum by (batch_bucket) ({_series(rows, selector, b1)})"
-        f" / sum by (batch_bucket) ({_series(seconds, selector, b1)})"
+    profiled = _ratio_by_bucket(
+        _series(f"{names.PROFILE_STEP_ROWS}_total", selector, b1),
+        _series(f"{names.PROFILE_STEP_SECONDS}_total", selector, b1),
+        None,
     )
     return f"(({served}) > 0 or ({profiled}))"
 
@@ -67,10 +77,10 @@ def _plain_rate(window: str, selector: str) -> str:
 def achieved_speedup_promql(window: str = "5m", selector: str = "") -> str:
     """PromQL of the achieved speedup per ``batch_bucket`` over ``window``, of
     the series ``selector`` picks (e.g. ``instance="a:8000"``; empty: all)."""
-    tokens, seconds = f"{names.STEP_OUTPUT_TOKENS}_total", f"{names.SERVED_STEP_SECONDS}_total"
-    delivered = (
-        f"sum by (batch_bucket) (rate({_series(tokens, selector)}[{window}]))"
-        f" / sum by (batch_bucket) (rate({_series(seconds, selector)}[{window}]))"
+    delivered = _ratio_by_bucket(
+        _series(f"{names.STEP_OUTPUT_TOKENS}_total", selector),
+        _series(f"{names.SERVED_STEP_SECONDS}_total", selector),
+        window,
     )
     return f"({delivered}) / on (batch_bucket) {_plain_rate(window, selector)}"
 

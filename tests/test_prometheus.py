@@ -235,7 +235,7 @@ def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pa
     measured = {}
     with pinned as url_pinned, plain as url_plain, PrometheusServer(tmp_path, [url_pinned, url_plain], "500ms") as prom:
         # Prometheus starts scraping seconds after it is ready: the runs must fall inside its samples.
-        wait_until(lambda: len(instant_query(prom.url, "up == 1")) == 2)
+        wait_until(lambda: len(instant_query(prom.url, "up == 1")) == 2, seconds=120.0)
         for name, url, profiled in (("pinned", url_pinned, 4), ("plain", url_plain, 0)):
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
             requests = prompts[:3]
@@ -272,7 +272,7 @@ def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pa
             }
             return seen == direct
 
-        wait_until(scraped_all)
+        wait_until(scraped_all, seconds=120.0)
         pinned_speedup, plain_speedup = achieved(url_pinned), achieved(url_plain)
     assert pinned_speedup.keys() >= {"1"} and plain_speedup.keys() >= {"1"}
     assert plain_speedup["1"] == pytest.approx(1.0, rel=1e-3)
