@@ -29,6 +29,9 @@ class ServeSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto", description="target and draft weights; auto: bf16 where it measures faster (logged at start)"
     )
+    packed_linears: bool = Field(
+        default=True, description="CPU: pack the target's and draft's linear weights once (oneDNN), not per call"
+    )
     max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")

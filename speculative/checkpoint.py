@@ -36,11 +36,17 @@ def save_draft(model: DFlashDraftModel, path: str | Path) -> None:
 
 
 def load_draft(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    packed: bool = False,
 ) -> DFlashDraftModel:
     """Load a draft from a local directory with strict name and shape checks;
     a draft vocabulary map must match the config's ``draft_vocab_size`` and be
-    valid (sorted, distinct, in the vocabulary)."""
+    valid (sorted, distinct, in the vocabulary). ``packed``: for serving,
+    its linear weights packed once where the device and dtype allow
+    (``DFlashDraftModel.pack_linears``)."""
     path = Path(path)
     config = DFlashConfig.from_file(path)
     tensors = _read_tensors(path)
@@ -66,7 +72,10 @@ def load_draft(
     if problems:
         raise CheckpointError(f"draft checkpoint {path} does not match its config: " + "; ".join(problems))
     model.load_state_dict(tensors, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if packed:
+        model.pack_linears()
+    return model
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

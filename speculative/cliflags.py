@@ -16,7 +16,8 @@ SCALARS = (int, float, str)
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type[Any], skip: Collection[str] = frozenset()) -> None:
     """Add ``--field-name`` for every field of ``cls`` not in ``skip``: int,
-    float and str fields take one value, ``tuple[X, ...]`` fields one or more.
+    float and str fields take one value, ``tuple[X, ...]`` fields one or more,
+    bool fields are ``--field-name`` / ``--no-field-name``.
     A field documented as ``name: text`` in the class docstring gets that text
     as its help."""
     hints = typing.get_type_hints(cls)
@@ -24,10 +25,14 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type[Any], skip: C
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        kind, many = _flag_type(hints[field.name], field.name)
         help_text = (
             docs[field.name].rstrip(".").replace("%", "%%") + " (default: %(default)s)" if field.name in docs else None
         )
+        if hints[field.name] is bool:
+            flag = f"--{field.name.replace('_', '-')}"
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            continue
+        kind, many = _flag_type(hints[field.name], field.name)
         parser.add_argument(
             f"--{field.name.replace('_', '-')}",
             type=kind,

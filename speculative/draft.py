@@ -31,6 +31,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from speculative.config import DFlashConfig, LayerAttention
 from speculative.masks import attention_allowed
+from speculative.packed import pack_linears, pack_weight, packed_linear, packing_support
 from speculative.target import TargetModel
 
 VOCAB_IDS_NAME = "draft_vocab_ids"
@@ -147,7 +148,8 @@ class DFlashDraftModel(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=arch.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(arch)
         self._fused: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None] | None = None
-        self._head: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None] | None = None
+        self._head: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._pack_head = False
         self.register_buffer(VOCAB_IDS_NAME, None)
         if draft_vocab_ids is None and config.draft_vocab_size is not None:
             raise ValueError(f"the config declares draft_vocab_size {config.draft_vocab_size} but no draft_vocab_ids")
@@ -174,6 +176,16 @@ class DFlashDraftModel(nn.Module):
         """Causality and window of each layer."""
         return self.config.layer_attention
 
+    def pack_linears(self) -> str:
+        """For serving on a CPU: pack the draft's linear weights and its
+        draft-vocabulary head once (``speculative.packed``), where this device
+        and dtype allow. Returns what happened, for the log."""
+        reason = packing_support(self.fc.weight.device, self.fc.weight.dtype)
+        if reason:
+            return f"not packed: {reason}"
+        self._pack_head, self._head = True, None
+        return f"{pack_linears(self)} linears packed (oneDNN)"
+
     def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
         """Propose only from target tokens ``ids`` from now on (None: from all of
         them); the config's ``draft_vocab_size`` follows, so a save records it."""
@@ -197,17 +209,20 @@ class DFlashDraftModel(nn.Module):
         if self.draft_vocab_ids is None:
             return target.lm_head(hidden)
         head: nn.Linear = target.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        weight, bias = self._draft_head(head)
+        weight, bias, packed = self._draft_head(head)
         # As one 2-D GEMM: a strided [..., H] input (block slots past the anchor)
         # would otherwise run as a batched matmul over a broadcast weight, ~3x slower.
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias).view(*hidden.shape[:-1], -1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        rows = F.linear(flat, weight, bias) if packed is None else packed_linear(flat, packed, bias)
+        logits = rows.view(*hidden.shape[:-1], -1)
         if not full_vocab:
             return logits
         full = logits.new_full((*logits.shape[:-1], head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_vocab_ids, logits)
 
-    def _draft_head(self, head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The draft vocabulary's rows of the LM head ``head`` (and its bias).
+    def _draft_head(self, head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The draft vocabulary's rows of the LM head ``head``, its bias, and
+        the rows packed for the CPU (``pack_linears`` asked for it; else None).
 
         Cached, and sliced afresh only when the head's weight or the map changed
         (tensor version counter) or moved (data pointer), or inference mode was
@@ -223,11 +238,12 @@ class DFlashDraftModel(nn.Module):
         cacheable = not needs_graph and not any(t.is_inference() for t in tensors)
         key = (torch.is_inference_mode_enabled(), *((t._version, t.data_ptr()) for t in tensors)) if cacheable else ()
         if cacheable and self._head is not None and self._head[0] == key:
-            return self._head[1], self._head[2]
+            return self._head[1:]
         weight, bias = weight[ids], (bias[ids] if bias is not None else None)
         if cacheable:
-            self._head = (key, weight, bias)
-        return weight, bias
+            self._head = (key, weight, bias, pack_weight(weight) if self._pack_head else None)
+            return self._head[1:]
+        return weight, bias, None
 
     def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary index of each target token id, -1 for tokens outside

@@ -127,8 +127,15 @@ def uniform_rows(generators: Sequence[torch.Generator], n: int, device: torch.de
 
 
 def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One token per row from probs [B, V] (rows need not be normalised)."""
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+    """One token per row from probs [B, V] (rows need not be normalised). A
+    row with a single nonzero entry (a greedy row's one-hot) takes it without
+    a draw: ``multinomial`` over a large vocabulary costs ~2 ms a row on a CPU,
+    which made sampling a quarter of a batch-64 regeneration step."""
+    tokens = probs.argmax(dim=-1)
+    drawn = ((probs > 0).sum(dim=-1) > 1).nonzero().flatten().tolist()
+    for row in drawn:
+        tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+    return tokens
 
 
 def sample_positions(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from speculative.cache import growing_cache
 from speculative.masks import additive_mask, attention_allowed
+from speculative.packed import pack_linears, packing_support
 
 
 @dataclass
@@ -44,15 +45,35 @@ class TargetModel:
         self._local = threading.local()  # captures are per thread: engines may share one target
         self._layer_types = tuple(getattr(self.config, "layer_types", None) or ())
         self._sliding_window = getattr(self.config, "sliding_window", None)
+        self.packing = "not packed"
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        packed: bool = False,
     ) -> TargetModel:
-        """Load a local transformers checkpoint (never downloads)."""
+        """Load a local transformers checkpoint (never downloads); ``packed``:
+        pack its linear weights once where the device and dtype allow
+        (``pack_linears``)."""
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         # functools.wraps types PreTrainedModel.to with its unbound ``self`` as the first argument.
-        return cls(model.to(device))  # type: ignore[arg-type]
+        target = cls(model.to(device))  # type: ignore[arg-type]
+        if packed:
+            target.pack_linears()
+        return target
+
+    def pack_linears(self) -> str:
+        """Pack every linear weight once for the CPU (``speculative.packed``:
+        plain steps and verify blocks both run faster); where this device or
+        dtype cannot, leave them. Returns what happened, for the log (also
+        ``self.packing``)."""
+        reason = packing_support(self.device, self.dtype)
+        self.packing = f"not packed: {reason}" if reason else f"{pack_linears(self.model)} linears packed (oneDNN)"
+        return self.packing
 
     @property
     def device(self) -> torch.device:

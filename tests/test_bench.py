@@ -62,7 +62,8 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert lines[0].startswith("dtype float32 (asked for); CPU features:")  # figures carry the machine beside them
     assert summary["machine"]["dtype"] == "float32" and isinstance(summary["machine"]["cpu_features"], list)
-    assert lines[1].split()[:2] == ["dataset", "method"]
+    assert lines[1] == f"linears: {summary['machine']['linears']}" and "packed" in lines[1]
+    assert lines[2].split()[:2] == ["dataset", "method"]
     # --diagnose: one line and one JSON entry per dataset; the draft's block (4) was benchmarked.
     assert sorted(summary["diagnosis"]) == ["humaneval", "mtbench"]
     for name, diagnosis in summary["diagnosis"].items():

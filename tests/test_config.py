@@ -1,8 +1,10 @@
+import argparse
 import json
 
 import pytest
 from builders import HIDDEN, VOCAB, draft_config_dict
 
+from speculative.cliflags import add_dataclass_flags, dataclass_kwargs
 from speculative.config import (
     DFlashConfig,
     DraftConfigError,
@@ -10,6 +12,7 @@ from speculative.config import (
     LayerAttention,
     build_target_layer_ids,
 )
+from speculative.train.draft_train import DraftTrainConfig
 
 
 def test_default_target_layer_ids_match_official_formula():
@@ -104,3 +107,12 @@ def test_target_fit_checks():
         shape.update(change)
         with pytest.raises(DraftTargetMismatch, match=message):
             config.check_target(**shape)
+
+
+def test_dataclass_flags_give_bool_fields_a_yes_and_a_no():
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, DraftTrainConfig, {"target_dir", "data", "out_dir", "run_dir"})
+    assert parser.parse_args([]).standardize_features is True
+    args = vars(parser.parse_args(["--no-standardize-features", "--lr", "0.01", "--no-packed-linears"]))
+    kwargs = dataclass_kwargs(args, DraftTrainConfig, {"target_dir", "data", "out_dir", "run_dir"})
+    assert kwargs["standardize_features"] is False and kwargs["packed_linears"] is False and kwargs["lr"] == 0.01

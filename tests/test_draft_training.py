@@ -1,6 +1,7 @@
 """Draft training on real regenerated data at a tiny scale: the mask token is
 looked up exactly, anchors follow a coverage, features come from a store built
-once, and held-out accuracy is logged as training goes."""
+once, held-out accuracy is logged as training goes, and standardised features
+are folded back into the written draft."""
 
 import dataclasses
 import json
@@ -8,11 +9,13 @@ import math
 
 import pytest
 import torch
+from builders import tiny_draft
 from transformers import AutoTokenizer
 
 from speculative.checkpoint import load_draft
-from speculative.train.draft_train import DraftTrainConfig, load_records, mask_token_id, train_draft
-from speculative.train.features import INDEX
+from speculative.train.draft_train import DraftTrainConfig, TargetInputs, load_records, mask_token_id, train_draft
+from speculative.train.feature_scale import feature_scale, folded, unfold_into
+from speculative.train.features import INDEX, FeatureStore
 from speculative.train.objective import coverage_counts, sample_anchors
 
 
@@ -102,3 +105,44 @@ def test_a_holdout_of_every_record_is_refused(tiny_pipeline, tmp_path):
     )
     with pytest.raises(ValueError, match="leaves none"):
         train_draft(config)
+
+
+def test_standardised_features_fold_into_the_saved_fc():
+    torch.manual_seed(0)
+    draft = tiny_draft()
+    raw = torch.randn(2, 9, draft.fc.in_features)
+    raw[..., 5] *= 500.0  # an outlier channel, as pretrained targets have
+    raw[:, 0] *= 100.0  # and an attention-sink position
+    scale = feature_scale(lambda i, t: TargetInputs(raw[i[0] : i[0] + 1]), [([0] * 9, 0)] * 2, [0, 1], 0)
+    assert 400 < scale[5] < 600 and scale[:5].max() < 2  # position 0 is left out of the scale
+    saved = folded(draft, scale)
+    with torch.no_grad():
+        assert torch.allclose(saved.context_features(raw), draft.context_features(raw / scale), atol=1e-4)
+        unfold_into(saved, scale)
+        assert torch.allclose(saved.fc.weight, draft.fc.weight, rtol=1e-5)
+
+
+def test_a_trained_draft_is_written_for_raw_features(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    cfg = DraftTrainConfig(
+        target_dir=root / "target",
+        data=(root / "data.jsonl",),
+        out_dir=tmp_path / "draft",
+        run_dir=tmp_path / "run",
+        block_size=4,
+        batch_size=4,
+        epochs=1.0,
+        lr=3e-3,
+        feature_store=str(tmp_path / "store"),
+        scale_records=4,
+    )
+    train_draft(cfg)
+    trained = load_draft(tmp_path / "draft")  # then its training weights: fc on standardised features
+    trained.load_state_dict(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["draft"])
+    records = load_records(cfg.data, cfg.max_length)
+    store = FeatureStore(tmp_path / "store")
+    scale = feature_scale(lambda i, t: TargetInputs(store.batch(i, t.shape[1])), records, range(4), 0)
+    raw = store.batch([0], len(records[0][0]), trained.config.target_layer_ids)
+    with torch.no_grad():
+        expected = trained.context_features(raw.float() / scale)
+        assert torch.allclose(load_draft(tmp_path / "draft").context_features(raw.float()), expected, atol=1e-4)

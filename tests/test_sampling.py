@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 from speculative import session
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.penalties import TokenHistory, penalize
-from speculative.sampling import SamplingParams, probabilities
+from speculative.sampling import SamplingParams, probabilities, sample_rows
 from speculative.verify import Verdict, verify_sampled
 
 ALPHA = 1e-3
@@ -255,3 +255,14 @@ def test_min_tokens_keeps_suppressed_tokens_out_exactly(small_vocab):
     result = spec_generate(target, drafts["good"], [PROMPT] * ROWS, DecodeConfig(4, K, proposal="sample"), rows)
     codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
     assert chi_square_pvalue(torch.bincount(codes, minlength=V**K), exact) > ALPHA
+
+
+def test_a_point_mass_row_is_taken_without_a_draw():
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.25, 0.25, 0.25, 0.25], [0.0, 3.0, 0.0, 0.0]])
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    states = [g.get_state() for g in generators]
+    tokens = sample_rows(probs, generators)
+    assert tokens[0] == 2 and tokens[2] == 1  # one-hot rows (unnormalised too) keep their token
+    assert torch.equal(generators[0].get_state(), states[0]) and torch.equal(generators[2].get_state(), states[2])
+    expected = torch.multinomial(probs[1], 1, generator=torch.Generator().manual_seed(1))[0]
+    assert tokens[1] == expected and not torch.equal(generators[1].get_state(), states[1])

@@ -121,8 +121,15 @@ class NativeEngine:
         """Load the target and draft named in ``settings``; steps go to ``metrics``."""
         precision = choose_dtype(settings.dtype, settings.device)
         log.info("dtype %s (%s: %s)", precision.name, settings.dtype, precision.reason)
-        target = TargetModel.from_pretrained(settings.target, dtype=precision.dtype, device=settings.device)
-        draft = load_draft(settings.draft, dtype=precision.dtype, device=settings.device) if settings.draft else None
+        target = TargetModel.from_pretrained(
+            settings.target, dtype=precision.dtype, device=settings.device, packed=settings.packed_linears
+        )
+        log.info("linears: %s", target.packing)
+        draft = (
+            load_draft(settings.draft, dtype=precision.dtype, device=settings.device, packed=settings.packed_linears)
+            if settings.draft
+            else None
+        )
         policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
         config = NativeEngineConfig(
             settings.max_batch_size, settings.max_waiting, policy, plain_reference_every=settings.plain_reference_every

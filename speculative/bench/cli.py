@@ -34,8 +34,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
     stop = stop_token_ids(tokenizer)
     precision = choose_dtype(args.dtype)
-    target = TargetModel.from_pretrained(args.target, dtype=precision.dtype)
-    draft = load_draft(args.draft, dtype=precision.dtype)
+    target = TargetModel.from_pretrained(args.target, dtype=precision.dtype, packed=args.packed_linears)
+    draft = load_draft(args.draft, dtype=precision.dtype, packed=args.packed_linears)
     # functools.wraps types PreTrainedModel.to with its unbound ``self`` as the first argument.
     assistant = (
         AutoModelForCausalLM.from_pretrained(str(args.assistant)).to(precision.dtype)  # type: ignore[arg-type]
@@ -67,7 +67,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(_row(name, "hf assisted", assisted, hf_base, batch_size=1, temperature=temperature))
     for name, diagnosis in diagnoses.items():
         diagnosis["measured_tau"] = _measured_tau(rows, name, draft.block_size)
-    machine = {"dtype": precision.name, "dtype_reason": precision.reason, "cpu_features": list(cpu_features())}
+    machine = {
+        "dtype": precision.name,
+        "dtype_reason": precision.reason,
+        "cpu_features": list(cpu_features()),
+        "linears": target.packing,
+    }
     summary = {"rows": rows, "settings": asdict(settings) | {"prompts_limit": args.limit}, "machine": machine}
     return summary | ({"diagnosis": diagnoses} if args.diagnose else {})
 
@@ -128,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
         help="target, draft and assistant weights (auto: bf16 where it measures faster)",
     )
     parser.add_argument(
+        "--packed-linears",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: pack the target's and the draft's linear weights once (oneDNN); the HF peers share the target",
+    )
+    parser.add_argument(
         "--repetition-penalty",
         type=float,
         default=1.0,
@@ -143,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = benchmark(args)
     machine = summary["machine"]
     print(f"dtype {machine['dtype']} ({machine['dtype_reason']}); CPU features: {' '.join(machine['cpu_features'])}")
+    print(f"linears: {machine['linears']}")
     print_table(summary["rows"])
     for name, diagnosis in summary.get("diagnosis", {}).items():
         print_diagnosis(name, diagnosis)

@@ -28,6 +28,7 @@ from speculative.config import DFlashConfig, build_target_layer_ids
 from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
 from speculative.target import TargetModel
 from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
+from speculative.train.feature_scale import feature_scale, folded, standardized, unfold_into
 from speculative.train.features import build_feature_store
 from speculative.train.loop import ResumableRun, warmup_cosine
 from speculative.train.objective import coverage_counts, default_gamma, dflash_loss, sample_anchors
@@ -54,7 +55,13 @@ class DraftTrainConfig:
     native bf16). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
     distil the target's top-k next-token distribution beside the hard labels
     (loss ``(1 - w) * CE(label) + w * CE(teacher)``; with a feature store the
-    top-k is stored once beside the features)."""
+    top-k is stored once beside the features). ``packed_linears``: the
+    target's linear weights packed once on a CPU (``speculative.packed``; its
+    forwards run without gradients, the draft's LM-head pass with them falls
+    back to ``F.linear``). ``standardize_features``: train ``fc`` on the
+    features divided by their per-channel RMS over ``scale_records`` training
+    records, folded back into ``fc`` when the draft is written
+    (``speculative.train.feature_scale``)."""
 
     target_dir: Path
     data: tuple[Path, ...]
@@ -83,6 +90,9 @@ class DraftTrainConfig:
     dtype: str = "float32"
     distill_top_k: int = 0
     distill_weight: float = 0.0
+    packed_linears: bool = True
+    standardize_features: bool = True
+    scale_records: int = 32
 
     def __post_init__(self) -> None:
         if not 0 <= self.distill_weight <= 1 or self.distill_top_k < 0:
@@ -146,7 +156,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.target_dir), local_files_only=True)
     # The target runs in the training dtype too: its features (computed once, or per batch) cost the most, and
     # bf16 is what a CPU with native bf16 serves it in.
-    target = TargetModel.from_pretrained(cfg.target_dir, dtype=getattr(torch, cfg.dtype))
+    target = TargetModel.from_pretrained(cfg.target_dir, dtype=getattr(torch, cfg.dtype), packed=cfg.packed_linears)
     for p in target.model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
@@ -159,6 +169,10 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     features = feature_source(target, records, draft, cfg)
     if features is None:
         return {"finished": False, "stage": "features"}
+    scale = None
+    if cfg.standardize_features:
+        scale = feature_scale(features, records, training[: cfg.scale_records], tokenizer.pad_token_id)
+        features = standardized(features, scale)
     if cfg.draft_vocab_size:
         ids = frequent_token_ids(
             response_tokens([records[i] for i in training]),
@@ -169,6 +183,8 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         draft.set_draft_vocab(ids)
     if cfg.init_from:
         grow_from(draft, load_draft(cfg.init_from))
+        if scale is not None:
+            unfold_into(draft, scale)
     steps = max(1, math.ceil(cfg.epochs * len(training) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
     warmup = max(1, int(cfg.warmup_ratio * steps))
@@ -239,10 +255,12 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         if run.out_of_time():
             # The draft so far, usable at once (training.json says "finished": false); the checkpoint resumes it.
             partial = {"finished": False, "steps": steps, **run.state}
-            return write_draft(draft, cfg, partial, target.vocab_size, [records[i] for i in training])
+            written = draft if scale is None else folded(draft, scale)
+            return write_draft(written, cfg, partial, target.vocab_size, [records[i] for i in training])
     run.close()
     finished = {"finished": True, "steps": steps, **run.state}
-    return write_draft(draft, cfg, finished, target.vocab_size, [records[i] for i in training])
+    written = draft if scale is None else folded(draft, scale)
+    return write_draft(written, cfg, finished, target.vocab_size, [records[i] for i in training])
 
 
 def write_draft(
