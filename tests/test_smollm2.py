@@ -61,8 +61,9 @@ def test_conversion_is_recorded_and_matches_the_gguf(installed):
 
 def test_served_dflash_output_is_the_targets_greedy_output(installed, tmp_path):
     """dflash-serve on SmolLM2 with a (random) b4 DFlash draft through the official
-    client: the reply is token for token what transformers' greedy generate says."""
-    target = TargetModel.from_pretrained(installed)
+    client: the reply is token for token what transformers' greedy generate says
+    with the target as the server runs it (fp32, linear weights packed)."""
+    target = TargetModel.from_pretrained(installed, packed=True)
     torch.manual_seed(0)
     config = DraftTrainConfig(target_dir=installed, data=(), out_dir=tmp_path, run_dir=tmp_path, block_size=4)
     save_draft(DFlashDraftModel(draft_config_for(target, EMPTY_OUTPUT, config)), tmp_path / "draft")
@@ -70,6 +71,7 @@ def test_served_dflash_output_is_the_targets_greedy_output(installed, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(installed))
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     expected = target.model.generate(**prompt, max_new_tokens=24, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+    target_packing = target.packing
     del target
 
     port = free_port()
@@ -104,7 +106,7 @@ def test_served_dflash_output_is_the_targets_greedy_output(installed, tmp_path):
     finally:
         server.terminate()
         log = server.communicate(timeout=60)[0]
-    assert "dtype float32" in log and "Traceback" not in log
+    assert "dtype float32" in log and f"linears: {target_packing}" in log and "Traceback" not in log
 
 
 def _ready(url: str) -> bool:
