@@ -51,14 +51,18 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self._packed = (self.weight._version, pack_weight(self.weight))
+        self._packed = self._pack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         if self._packed[0] != self.weight._version:
-            self._packed = (self.weight._version, pack_weight(self.weight))
+            self._packed = self._pack()
         return packed_linear(x, self._packed[1], self.bias)
+
+    def _pack(self) -> tuple[int, torch.Tensor]:
+        """(the weight's version counter, the weight packed)."""
+        return self.weight._version, pack_weight(self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -88,3 +88,12 @@ def test_a_packed_draft_with_a_reduced_vocabulary_drafts_the_same(qwen_pair):
 
 def test_packing_is_refused_off_the_cpu():
     assert packing_support(torch.device("meta"), torch.float32) == "packing is for CPUs, the model is on meta"
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    linear = nn.Linear(24, 40)
+    packed = PackedLinear(linear)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        linear.weight.mul_(2.0)
+        assert torch.allclose(packed(x), linear(x), atol=1e-5)
