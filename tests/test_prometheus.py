@@ -277,4 +277,6 @@ def test_the_achieved_speedup_is_what_a_plain_decoding_run_measures(distilled_pa
     assert pinned_speedup.keys() >= {"1"} and plain_speedup.keys() >= {"1"}
     assert plain_speedup["1"] == pytest.approx(1.0, rel=1e-3)
     assert measured["pinned"] / measured["plain"] > 2.0  # the distilled draft pays at b = 16 alone
-    assert pinned_speedup["1"] == pytest.approx(measured["pinned"] / measured["plain"], rel=0.01)
+    # rate() extrapolates each series on its own towards the window's edges (from its first and last samples), so
+    # a ratio of two rates moves by a percent or two with where the scrapes fell: 2.147 against 2.172 was seen.
+    assert pinned_speedup["1"] == pytest.approx(measured["pinned"] / measured["plain"], rel=0.03)

@@ -18,17 +18,17 @@ from live import free_port, wait_until
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from speculative.checkpoint import save_draft
-from speculative.draft import DFlashDraftModel
+from service.config import ServeSettings
+from speculative.bundled import DEFAULT_DRAFT, DEFAULT_TARGET
+from speculative.checkpoint import load_draft
 from speculative.packaged import PACKAGED, PROVENANCE, file_sha256, install
 from speculative.target import TargetModel
-from speculative.train.draft_train import DraftTrainConfig, draft_config_for
 
 pytestmark = pytest.mark.smollm2
 NAME = "smollm2-135m-instruct"
-MODELS = Path(__file__).resolve().parents[1] / "models"
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
 TARGET = MODELS / NAME
-EMPTY_OUTPUT = 16  # a special token SmolLM2 never emits: the DFlash mask
 
 
 @pytest.fixture(scope="module")
@@ -59,50 +59,35 @@ def test_conversion_is_recorded_and_matches_the_gguf(installed):
     assert converted.config.model_type == "llama" and converted.config.num_hidden_layers == 30
 
 
-def test_served_dflash_output_is_the_targets_greedy_output(installed, tmp_path):
-    """dflash-serve on SmolLM2 with a (random) b4 DFlash draft through the official
-    client: the reply is token for token what transformers' greedy generate says
-    with the target as the server runs it (fp32, linear weights packed)."""
+def test_the_default_pair_serves_the_targets_greedy_output(installed):
+    """`make run`'s server (no model flags: SmolLM2 and its committed DFlash
+    draft) through the official client: the reply is token for token what
+    transformers' greedy generate says with the target as the server runs it
+    (fp32, linear weights packed), and the trained draft's proposals are
+    accepted along the way."""
+    assert ServeSettings().target == DEFAULT_TARGET and installed == ROOT / DEFAULT_TARGET
     target = TargetModel.from_pretrained(installed, packed=True)
-    torch.manual_seed(0)
-    config = DraftTrainConfig(target_dir=installed, data=(), out_dir=tmp_path, run_dir=tmp_path, block_size=4)
-    save_draft(DFlashDraftModel(draft_config_for(target, EMPTY_OUTPUT, config)), tmp_path / "draft")
-    messages = [{"role": "user", "content": "Name three primary colours."}]
+    messages = [{"role": "user", "content": "Write a Python function that returns the squares of a list."}]
     tokenizer = AutoTokenizer.from_pretrained(str(installed))
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    expected = target.model.generate(**prompt, max_new_tokens=24, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+    expected = target.model.generate(**prompt, max_new_tokens=48, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     target_packing = target.packing
     del target
 
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "--target",
-        str(installed),
-        "--draft",
-        str(tmp_path / "draft"),
-        "--port",
-        str(port),
-        "--controller",
-        "false",
-        "--dtype",
-        "float32",
-    ]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "service.cli", "--port", str(port), "--controller", "false", "--dtype", "float32"]
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _ready(url), seconds=300)
         client = OpenAI(base_url=url + "/v1", api_key="none")
-        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=48, temperature=0)
         assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
         assert reply.usage.completion_tokens == len(expected)
-        assert (
-            reply.model_extra["speculative"]["draft_tokens"]
-            == 3 * reply.model_extra["speculative"]["verify_rounds"]
-            > 0
-        )
+        stats = reply.model_extra["speculative"]
+        block = load_draft(ROOT / DEFAULT_DRAFT).block_size
+        assert stats["draft_tokens"] == (block - 1) * stats["verify_rounds"] > 0
+        assert stats["accepted_tokens"] > 0
     finally:
         server.terminate()
         log = server.communicate(timeout=60)[0]
