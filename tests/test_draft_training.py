@@ -6,6 +6,8 @@ are folded back into the written draft."""
 import dataclasses
 import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,18 @@ from speculative.train.draft_train import DraftTrainConfig, TargetInputs, load_r
 from speculative.train.feature_scale import feature_scale, folded, unfold_into
 from speculative.train.features import INDEX, FeatureStore
 from speculative.train.objective import coverage_counts, sample_anchors
+
+
+def tiny_config(root: Path, tmp_path: Path, **settings: Any) -> DraftTrainConfig:
+    """Training on the tiny pipeline's target and data, writing the draft to
+    ``tmp_path/draft`` and the run to ``tmp_path/run``."""
+    return DraftTrainConfig(
+        target_dir=root / "target",
+        data=(root / "data.jsonl",),
+        out_dir=tmp_path / "draft",
+        run_dir=tmp_path / "run",
+        **settings,
+    )
 
 
 def test_the_mask_token_is_looked_up_exactly(tiny_pipeline):
@@ -38,10 +52,6 @@ def test_anchor_counts_follow_the_coverage():
 def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     common = dict(
-        target_dir=root / "target",
-        data=(root / "data.jsonl",),
-        out_dir=tmp_path / "draft",
-        run_dir=tmp_path / "run",
         block_size=8,
         anchors_per_sequence=8,
         anchor_coverage=2.0,
@@ -53,11 +63,11 @@ def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_p
         feature_store=str(tmp_path / "store"),
         feature_layers="0,1,2,3",
     )
-    stopped = train_draft(DraftTrainConfig(**common, time_limit_minutes=1e-9))
+    stopped = train_draft(tiny_config(root, tmp_path, **common, time_limit_minutes=1e-9))
     assert not stopped["finished"]
     store = json.loads((tmp_path / "store" / INDEX).read_text())
     assert store["layer_ids"] == [0, 1, 2, 3] and store["records"] == len(load_records([root / "data.jsonl"], 768))
-    summary = train_draft(DraftTrainConfig(**common))
+    summary = train_draft(tiny_config(root, tmp_path, **common))
     assert summary["finished"] and summary["steps"] == math.ceil(6 * (store["records"] - 2) / 4)
     point = summary["curve"][-1]
     assert len(point["holdout_accuracy_per_position"]) == 7 and 1.0 <= point["holdout_expected_tau"] <= 8.0
@@ -69,11 +79,9 @@ def test_training_from_a_feature_store_logs_held_out_accuracy_and_resumes(tiny_p
 
 def test_training_distils_the_targets_top_k_from_the_store(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
-    config = DraftTrainConfig(
-        target_dir=root / "target",
-        data=(root / "data.jsonl",),
-        out_dir=tmp_path / "draft",
-        run_dir=tmp_path / "run",
+    config = tiny_config(
+        root,
+        tmp_path,
         block_size=8,
         anchor_coverage=2.0,
         batch_size=4,
@@ -96,13 +104,7 @@ def test_training_distils_the_targets_top_k_from_the_store(tiny_pipeline, tmp_pa
 def test_a_holdout_of_every_record_is_refused(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
     every = len(load_records([root / "data.jsonl"], 768))
-    config = DraftTrainConfig(
-        target_dir=root / "target",
-        data=(root / "data.jsonl",),
-        out_dir=tmp_path / "d",
-        run_dir=tmp_path / "r",
-        holdout=every,
-    )
+    config = tiny_config(root, tmp_path, holdout=every)
     with pytest.raises(ValueError, match="leaves none"):
         train_draft(config)
 
@@ -124,11 +126,9 @@ def test_standardised_features_fold_into_the_saved_fc():
 
 def test_a_trained_draft_is_written_for_raw_features(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
-    cfg = DraftTrainConfig(
-        target_dir=root / "target",
-        data=(root / "data.jsonl",),
-        out_dir=tmp_path / "draft",
-        run_dir=tmp_path / "run",
+    cfg = tiny_config(
+        root,
+        tmp_path,
         block_size=4,
         batch_size=4,
         epochs=1.0,
