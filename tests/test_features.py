@@ -1,5 +1,6 @@
 """The feature store: the target's features of every training record computed
-once, resumable by shard, refused for other data, readable by layer subset."""
+once, resumable by shard, extended when records are appended, refused for
+other data, readable by layer subset."""
 
 import json
 
@@ -46,7 +47,7 @@ def test_an_interrupted_build_resumes_at_the_missing_shard(data, tmp_path):
     last = tmp_path / index["shards"][-1]
     original = last.read_bytes()
     last.unlink()
-    index["shards"] = index["shards"][:-1]
+    index["shards"], index["shard_sha256"] = index["shards"][:-1], index["shard_sha256"][:-1]
     (tmp_path / INDEX).write_text(json.dumps(index))
     build_feature_store(target, records, LAYERS, tmp_path, shard_records=3)
     assert last.read_bytes() == original
@@ -59,6 +60,30 @@ def test_a_store_of_other_records_or_layers_is_refused(data, tmp_path):
         build_feature_store(target, records, (0, 1), tmp_path, shard_records=3)
     with pytest.raises(ValueError, match="other records, layers or target"):
         build_feature_store(target, records[:-1], LAYERS, tmp_path, shard_records=3)
+
+
+def test_appended_records_extend_the_store_and_only_theirs_are_computed(data, tmp_path):
+    """7 records in shards of 3 leave a partial last shard; 3 records appended
+    keep the two full shards' files and compute the rest."""
+    target, records = data
+    more = [(tokens, len(tokens) // 2) for tokens in random_prompts(3, seed=9, min_len=4, max_len=30)]
+    build_feature_store(target, records, LAYERS, tmp_path, shard_records=3)
+    first, second = (tmp_path / f"features-0000{i}.safetensors" for i in (0, 1))
+    kept = {shard: shard.stat().st_mtime_ns for shard in (first, second)}
+    store = build_feature_store(target, records + more, LAYERS, tmp_path, shard_records=3)
+    assert {shard: shard.stat().st_mtime_ns for shard in (first, second)} == kept
+    assert store.index["records"] == 10 and len(store.index["shards"]) == 4
+    fresh = build_feature_store(target, records + more, LAYERS, tmp_path / "fresh", shard_records=3)
+    for i in range(10):
+        assert torch.equal(store.features(i), fresh.features(i))
+
+
+def test_a_store_whose_records_changed_is_refused_not_overwritten(data, tmp_path):
+    target, records = data
+    build_feature_store(target, records, LAYERS, tmp_path, shard_records=3)
+    edited = [records[1], records[0], *records[2:]]
+    with pytest.raises(ValueError, match="other records, layers or target"):
+        build_feature_store(target, edited + records[:2], LAYERS, tmp_path, shard_records=3)
 
 
 def test_features_only_forward_skips_the_lm_head(data):

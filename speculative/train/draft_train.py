@@ -11,9 +11,9 @@ when ``draft_vocab_size`` asks for one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +29,7 @@ from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
 from speculative.target import TargetModel
 from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
 from speculative.train.feature_scale import feature_scale, folded, standardized, unfold_into
-from speculative.train.features import build_feature_store
+from speculative.train.features import build_feature_store, teacher_top
 from speculative.train.loop import ResumableRun, warmup_cosine
 from speculative.train.objective import coverage_counts, default_gamma, dflash_loss, sample_anchors
 from speculative.train.tokenizer import MASK
@@ -50,8 +50,8 @@ class DraftTrainConfig:
     where the target's features of every record are computed once and read by
     every epoch (layers ``feature_layers``, "" = the draft's; a superset lets
     drafts fed by different layers share one store). ``holdout``: records kept
-    out of training whose teacher-forced slot accuracy is logged at each
-    checkpoint. ``dtype`` bfloat16: autocast the draft (where the CPU has
+    out of training (chosen by content: ``held_out_records``) whose
+    teacher-forced slot accuracy is logged at each checkpoint. ``dtype`` bfloat16: autocast the draft (where the CPU has
     native bf16). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
     distil the target's top-k next-token distribution beside the hard labels
     (loss ``(1 - w) * CE(label) + w * CE(teacher)``; with a feature store the
@@ -139,6 +139,19 @@ def load_records(paths: Sequence[Path], max_length: int) -> list[tuple[list[int]
     return records
 
 
+def held_out_records(records: Sequence[tuple[list[int], int]], count: int, seed: int) -> list[int]:
+    """Indices of the ``count`` records whose content hashes lowest under
+    ``seed``. Each record's rank is its own, not its position's, so when the
+    data grows by appended records (training resumed or continued on more
+    data) a record the draft trained on never becomes held-out: new records
+    can only displace held-out ones into training."""
+
+    def rank(i: int) -> bytes:
+        return hashlib.sha256(json.dumps([seed, *records[i]]).encode()).digest()
+
+    return sorted(sorted(range(len(records)), key=rank)[:count])
+
+
 def collate(records: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded tokens [B, S], lengths [B], response starts [B]."""
     width = max(len(t) for t, _ in records)
@@ -162,7 +175,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(draft_config_for(target, mask_token_id(tokenizer, cfg.mask_token), cfg)).train()
     records = load_records(cfg.data, cfg.max_length)
-    held_out = sorted(random.Random(cfg.seed).sample(range(len(records)), cfg.holdout)) if cfg.holdout else []
+    held_out = held_out_records(records, cfg.holdout, cfg.seed)
     training = sorted(set(range(len(records))) - set(held_out))
     if not training:
         raise ValueError(f"holdout {cfg.holdout} leaves none of the {len(records)} records to train on")
@@ -327,8 +340,7 @@ def feature_source(
             assert out.features is not None  # the forward captured the draft's layers
             if not top_k:
                 return TargetInputs(out.features)
-            top = torch.log_softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
-            return TargetInputs(out.features, (top.indices, top.values))
+            return TargetInputs(out.features, teacher_top(out.logits, top_k))
 
         return forward
     stored = tuple(int(x) for x in cfg.feature_layers.split(",")) if cfg.feature_layers else layers

@@ -7,8 +7,11 @@ step. So the features of every record (the selected layers' outputs over prompt
 and response) are computed once, in batches of similar length, and stored as
 bf16 safetensors shards (bf16 keeps fp32's range: hidden states with large
 outlier dimensions do not overflow). Building is resumable shard by shard; the
-index records which target, layers and data the features belong to, and a
-store built for anything else is refused.
+index records which target and layers the features belong to and a digest of
+each shard's records. Data that grows by appended records (regeneration goes
+on between training chunks) extends the store: its shards are kept and only
+the new records' features are computed (a last shard that was partial is
+recomputed whole). A store of other records, layers or target is refused.
 
 With ``teacher_top_k`` k > 0 the same forward also stores, per position, the
 target's k most likely next tokens and their log-probabilities (the soft labels
@@ -22,6 +25,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -34,6 +38,12 @@ INDEX = "index.json"
 STORE_DTYPE = torch.bfloat16
 TEACHER_IDS, TEACHER_LOGPROBS = "top_ids", "top_logprobs"
 """Tensor name suffixes of a record's teacher top-k (``"<record>.top_ids"``)."""
+
+
+def teacher_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's k most likely next tokens [..., k] and their log-probabilities."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top.indices, top.values
 
 
 def records_digest(records: Sequence[tuple[list[int], int]]) -> str:
@@ -124,15 +134,15 @@ def build_feature_store(
     """Compute (or finish computing) the features of every record into ``path``.
 
     Shards of ``shard_records`` consecutive records are written whole, so an
-    interrupted build resumes at the first missing shard. Inside a shard,
-    records run in batches of about ``batch_tokens`` padded tokens, sorted by
-    length to limit padding. Past ``time_limit_s`` (0: none) the build stops
-    after the shard in progress and returns None: call again to go on.
-    ``teacher_top_k`` > 0 also stores the target's top-k next tokens per position."""
+    interrupted build resumes at the first missing shard, and a store of the
+    leading records of ``records`` is extended (see the module doc). Inside a
+    shard, records run in batches of about ``batch_tokens`` padded tokens,
+    sorted by length to limit padding. Past ``time_limit_s`` (0: none) the
+    build stops after the shard in progress and returns None: call again to go
+    on. ``teacher_top_k`` > 0 also stores the target's top-k next tokens per
+    position."""
     identity = {
         "layer_ids": list(layer_ids),
-        "records": len(records),
-        "records_sha256": records_digest(records),
         "target": str(getattr(target.model, "name_or_path", "")),
         "hidden_size": target.hidden_size,
         "shard_records": shard_records,
@@ -140,35 +150,60 @@ def build_feature_store(
         "teacher_top_k": teacher_top_k,
     }
     index_file = path / INDEX
+    names: list[str] = []
+    digests: list[str] = []
+    seconds = 0.0
     if index_file.exists():
-        index = json.loads(index_file.read_text())
-        if {k: index.get(k) for k in identity} != identity:
-            raise ValueError(f"{path} holds features of other records, layers or target: use another directory")
-    else:
-        index = {**identity, "shards": [], "seconds": 0.0}
+        stored = json.loads(index_file.read_text())
+        if {k: stored.get(k) for k in identity} != identity:
+            raise foreign_store(path)
+        names, digests = reusable_shards(stored, records, path)
+        seconds = stored["seconds"]
     path.mkdir(parents=True, exist_ok=True)
     shards = range(0, len(records), shard_records)
     deadline = time.monotonic() + time_limit_s if time_limit_s else float("inf")
-    with tqdm(total=len(shards), initial=len(index["shards"]), desc="features", unit="shard") as progress:
-        for first in shards[len(index["shards"]) :]:
+    with tqdm(total=len(shards), initial=len(names), desc="features", unit="shard") as progress:
+        for first in shards[len(names) :]:
             started = time.monotonic()
             name = f"features-{first // shard_records:05d}.safetensors"
-            tensors = _shard_features(
-                target,
-                records,
-                range(first, min(first + shard_records, len(records))),
-                tuple(layer_ids),
-                batch_tokens,
-                teacher_top_k,
-            )
+            members = range(first, min(first + shard_records, len(records)))
+            tensors = _shard_features(target, records, members, tuple(layer_ids), batch_tokens, teacher_top_k)
             save_file(tensors, str(path / name))
-            index["shards"].append(name)
-            index["seconds"] = round(index["seconds"] + time.monotonic() - started, 1)
+            names.append(name)
+            digests.append(records_digest([records[i] for i in members]))
+            seconds = round(seconds + time.monotonic() - started, 1)
+            index = {**identity, "records": len(records), "shards": names, "shard_sha256": digests, "seconds": seconds}
             index_file.write_text(json.dumps(index, indent=2) + "\n")
             progress.update(1)
-            if time.monotonic() > deadline and len(index["shards"]) < len(shards):
+            if time.monotonic() > deadline and len(names) < len(shards):
                 return None
     return FeatureStore(path)
+
+
+def reusable_shards(
+    index: dict[str, Any], records: Sequence[tuple[list[int], int]], path: Path
+) -> tuple[list[str], list[str]]:
+    """The stored shards (names, digests) that hold exactly the features of
+    ``records``' leading records. A full shard must match its records; a last,
+    partial shard whose records are a prefix of its range in ``records`` is
+    dropped (recomputed with the records appended since). Anything else means
+    the store belongs to other data: refused, not overwritten."""
+    size = index["shard_records"]
+    names, digests = index["shards"], index.get("shard_sha256", [])
+    if len(digests) != len(names) or index["records"] > len(records):
+        raise foreign_store(path)
+    kept = len(names)
+    for shard, digest in enumerate(digests):
+        members = records[shard * size : min((shard + 1) * size, index["records"])]
+        if records_digest(members) != digest:
+            raise foreign_store(path)
+        if len(members) < size and index["records"] < len(records):
+            kept = shard
+    return names[:kept], digests[:kept]
+
+
+def foreign_store(path: Path) -> ValueError:
+    return ValueError(f"{path} holds features of other records, layers or target: use another directory")
 
 
 def _shard_features(
@@ -195,11 +230,11 @@ def _shard_features(
         features = out.features
         assert features is not None  # the forward captured layer_ids
         if teacher_top_k:
-            top = torch.log_softmax(out.logits.float(), dim=-1).topk(teacher_top_k, dim=-1)
+            top_ids, top_logprobs = teacher_top(out.logits, teacher_top_k)
         for row, i in enumerate(batch):
             n = len(records[i][0])
             tensors[str(i)] = features[row, :n].to(STORE_DTYPE).contiguous().cpu()
             if teacher_top_k:
-                tensors[f"{i}.{TEACHER_IDS}"] = top.indices[row, :n].to(torch.int32).contiguous().cpu()
-                tensors[f"{i}.{TEACHER_LOGPROBS}"] = top.values[row, :n].to(STORE_DTYPE).contiguous().cpu()
+                tensors[f"{i}.{TEACHER_IDS}"] = top_ids[row, :n].to(torch.int32).contiguous().cpu()
+                tensors[f"{i}.{TEACHER_LOGPROBS}"] = top_logprobs[row, :n].to(STORE_DTYPE).contiguous().cpu()
     return tensors
