@@ -1,8 +1,8 @@
 """Draft training on real regenerated data at a tiny scale: the mask token is
 looked up exactly, anchors follow a coverage, features come from a store built
 once, held-out records stay held out as data grows, held-out accuracy is
-logged as training goes, and standardised features
-are folded back into the written draft."""
+logged as training goes, and standardised features are folded back into the
+written draft."""
 
 import dataclasses
 import json

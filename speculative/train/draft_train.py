@@ -51,8 +51,8 @@ class DraftTrainConfig:
     every epoch (layers ``feature_layers``, "" = the draft's; a superset lets
     drafts fed by different layers share one store). ``holdout``: records kept
     out of training (chosen by content: ``held_out_records``) whose
-    teacher-forced slot accuracy is logged at each checkpoint. ``dtype`` bfloat16: autocast the draft (where the CPU has
-    native bf16). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
+    teacher-forced slot accuracy is logged at each checkpoint. ``dtype``
+    bfloat16: autocast the draft (where the CPU has native bf16). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
     distil the target's top-k next-token distribution beside the hard labels
     (loss ``(1 - w) * CE(label) + w * CE(teacher)``; with a feature store the
     top-k is stored once beside the features). ``packed_linears``: the
