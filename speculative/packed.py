@@ -58,7 +58,9 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self._packed[0] != self.weight._version:
             self._packed = self._pack()
-        return packed_linear(x, self._packed[1], self.bias)
+        # oneDNN multiplies only in the weight's dtype. Under autocast (the bf16 held-out pass of draft
+        # training) an fp32 draft hands a bf16 target head fp32 activations; F.linear would cast them too.
+        return packed_linear(x.to(self.weight.dtype), self._packed[1], self.bias)
 
     def _pack(self) -> tuple[int, torch.Tensor]:
         """(the weight's version counter, the weight packed)."""

@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
+from speculative.bench import run
 from speculative.bench.cli import main
 from speculative.bench.datasets import humaneval, mtbench
 from speculative.bench.diagnose import target_confidence
-from speculative.bench.run import distinct_ngram_ratio
+from speculative.bench.run import distinct_ngram_ratio, interleave
 from speculative.checkpoint import save_draft
 from speculative.sampling import SamplingParams
 
@@ -24,6 +25,26 @@ def test_distinct_ngram_ratio():
     assert distinct_ngram_ratio([[1, 2, 3, 4, 5]]) == 1.0
     assert distinct_ngram_ratio([[7] * 10]) == pytest.approx(1 / 7)
     assert distinct_ngram_ratio([[1, 2]]) == 1.0
+
+
+def test_methods_take_turns_unit_by_unit_and_each_is_charged_its_own_time(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(run.time, "perf_counter", lambda: clock[0])
+    calls: list[tuple[str, int]] = []
+    cost = {"a": 1.0, "b": 10.0, "c": 100.0}
+
+    def method(name):
+        def call(unit):
+            calls.append((name, unit))
+            clock[0] += cost[name] * (unit + 1)  # the machine slows down as the run goes on
+
+        return call
+
+    seconds = interleave({name: method(name) for name in cost}, 4)
+    # Every unit runs under every method before the next unit starts; the first method rotates.
+    assert [name for name, _ in calls] == list("abcbcacababc")
+    assert [unit for _, unit in calls] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert seconds == {name: c * (1 + 2 + 3 + 4) for name, c in cost.items()}
 
 
 def test_bench_prints_table_and_json(model, tmp_path, capsys):

@@ -31,6 +31,19 @@ def test_packed_linear_matches_linear(bias, shape):
         assert packed(x).shape == (*shape[:-1], 40)
 
 
+def test_activations_in_another_dtype_are_multiplied_in_the_weights_dtype():
+    """Draft training's bf16 held-out pass hands the packed head of a bf16 target
+    fp32 activations (autocast leaves oneDNN's op alone); oneDNN refuses mixed
+    dtypes. Here the other way round, which every machine that packs can run."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 40)
+    x = torch.randn(3, 24).bfloat16()
+    with torch.no_grad():
+        out = PackedLinear(linear)(x)
+        assert out.dtype == torch.float32
+        assert torch.allclose(out, linear(x.float()), atol=1e-5)
+
+
 def test_gradients_flow_through_the_original_weight():
     torch.manual_seed(0)
     linear = nn.Linear(24, 40).requires_grad_(False)

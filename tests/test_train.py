@@ -310,14 +310,23 @@ def test_target_training_can_start_from_a_saved_model(tiny_pipeline, tmp_path):
 
 def test_draft_training_can_start_from_a_saved_draft(tiny_pipeline, tmp_path):
     root, _, _ = tiny_pipeline
-    common = dict(target_dir=root / "target", data=(root / "data.jsonl",), block_size=8, batch_size=2, epochs=0.01)
+    common = dict(
+        target_dir=root / "target", data=(root / "data.jsonl",), block_size=8, batch_size=2, epochs=0.01, holdout=3
+    )
     train_draft(DraftTrainConfig(out_dir=tmp_path / "first", run_dir=tmp_path / "r1", lr=3e-3, seed=1, **common))
-    train_draft(
+    more = train_draft(
         DraftTrainConfig(
             out_dir=tmp_path / "more", run_dir=tmp_path / "r2", lr=1e-12, init_from=str(tmp_path / "first"), **common
         )
     )
-    train_draft(DraftTrainConfig(out_dir=tmp_path / "fresh", run_dir=tmp_path / "r3", lr=1e-12, **common))
+    fresh_run = train_draft(DraftTrainConfig(out_dir=tmp_path / "fresh", run_dir=tmp_path / "r3", lr=1e-12, **common))
+    # A continued run first scores its source on the held-out records (step 0), the mark it has to beat;
+    # at lr 1e-12 the last checkpoint scores the same. A fresh draft has no such mark.
+    start, end = more["curve"][0], more["curve"][-1]
+    assert start["step"] == 0 and end["step"] > 0 and "loss" not in start
+    assert start["holdout_accuracy_per_position"] == end["holdout_accuracy_per_position"]
+    assert start["holdout_expected_tau"] > 1
+    assert fresh_run["curve"][0]["step"] > 0
     first, more, fresh = (load_draft(tmp_path / d).state_dict() for d in ("first", "more", "fresh"))
     for name, tensor in first.items():
         torch.testing.assert_close(more[name], tensor, rtol=0, atol=1e-2)  # bf16 storage

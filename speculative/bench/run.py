@@ -5,7 +5,7 @@ and prompt-lookup decoding as peers on the same target."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -46,30 +46,65 @@ def distinct_ngram_ratio(sequences: Sequence[Sequence[int]], n: int = 4) -> floa
     return distinct / total if total else 1.0
 
 
+def interleave(methods: Mapping[str, Callable[[int], None]], count: int) -> dict[str, float]:
+    """Time every method on unit 0, then every method on unit 1, and so on, the
+    order rotated by one per unit; returns each method's total seconds.
+
+    A shared or throttled machine drifts by several percent within minutes. Run
+    one after another, each method would get its own stretch of that drift and
+    the speedups would carry it; taking turns unit by unit gives every method
+    the same share of it."""
+    names = list(methods)
+    seconds = dict.fromkeys(names, 0.0)
+    for unit in range(count):
+        shift = unit % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            methods[name](unit)
+            seconds[name] += time.perf_counter() - start
+    return seconds
+
+
 def run_dflash(
     target: TargetModel,
     draft: DFlashDraftModel | None,
     prompts: Sequence[list[int]],
-    block_size: int,
+    block_sizes: Sequence[int],
     batch_size: int,
     temperature: float,
     settings: BenchSettings,
     stop_token_ids: tuple[int, ...],
+) -> dict[int, dict[str, Any]]:
+    """Decode every prompt (in batches) at each block size (1: target-only),
+    the block sizes taking turns batch by batch (``interleave``); returns
+    throughput and acceptance per block size."""
+    results = {b: GenerationResult(tokens=[], finish_reasons=[]) for b in block_sizes}
+    chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+
+    def decode_at(block_size: int) -> Callable[[int], None]:
+        config = DecodeConfig(
+            block_size=block_size, max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids
+        )
+
+        def decode_chunk(index: int) -> None:
+            first, penalty = index * batch_size, settings.repetition_penalty
+            sampling = [
+                SamplingParams(temperature, seed=settings.seed + first + j, repetition_penalty=penalty)
+                for j in range(len(chunks[index]))
+            ]
+            result = spec_generate(target, draft if block_size > 1 else None, chunks[index], config, sampling)
+            results[block_size].tokens += result.tokens
+            results[block_size].rounds += result.rounds
+
+        return decode_chunk
+
+    seconds = interleave({str(b): decode_at(b) for b in block_sizes}, len(chunks))
+    return {b: _dflash_summary(results[b], b, batch_size, temperature, seconds[str(b)]) for b in block_sizes}
+
+
+def _dflash_summary(
+    merged: GenerationResult, block_size: int, batch_size: int, temperature: float, seconds: float
 ) -> dict[str, Any]:
-    """Decode every prompt (in batches) and return throughput and acceptance."""
-    config = DecodeConfig(block_size=block_size, max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids)
-    merged = GenerationResult(tokens=[], finish_reasons=[])
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        sampling = [
-            SamplingParams(temperature, seed=settings.seed + i + j, repetition_penalty=settings.repetition_penalty)
-            for j in range(len(chunk))
-        ]
-        result = spec_generate(target, draft, chunk, config, sampling)
-        merged.tokens += result.tokens
-        merged.rounds += result.rounds
-    seconds = time.perf_counter() - start
     accepted = [sum(r.accepted_per_position[k] for r in merged.rounds) for k in range(block_size - 1)]
     verified = [sum(r.verified_per_position[k] for r in merged.rounds) for k in range(block_size - 1)]
     tokens = sum(len(t) for t in merged.tokens)
@@ -93,26 +128,38 @@ def run_hf_generate(
     temperature: float,
     settings: BenchSettings,
     stop_token_ids: tuple[int, ...],
-    **generate_kwargs: object,
-) -> dict[str, Any]:
-    """transformers ``generate`` at batch 1 (plain, assisted or prompt lookup)."""
+    methods: Mapping[str, Mapping[str, object]],
+) -> dict[str, dict[str, Any]]:
+    """transformers ``generate`` at batch 1, once per method (its extra
+    ``generate`` arguments: plain, assisted or prompt lookup), the methods
+    taking turns prompt by prompt (``interleave``)."""
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    outputs, start = [], time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        torch.manual_seed(settings.seed + i)
-        ids = torch.tensor([prompt], device=model.device)
-        # Every causal LM of transformers mixes in GenerationMixin (PreTrainedModel does not declare it).
-        out = cast("GenerationMixin", model).generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=settings.max_new_tokens,
-            eos_token_id=list(stop_token_ids) or None,
-            pad_token_id=stop_token_ids[0] if stop_token_ids else 0,
-            repetition_penalty=settings.repetition_penalty,
-            **{"do_sample": False, **sampling, **generate_kwargs},
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    seconds = time.perf_counter() - start
+    outputs: dict[str, list[list[int]]] = {name: [] for name in methods}
+
+    def generate_with(name: str) -> Callable[[int], None]:
+        def generate_one(index: int) -> None:
+            prompt = prompts[index]
+            torch.manual_seed(settings.seed + index)
+            ids = torch.tensor([prompt], device=model.device)
+            # Every causal LM of transformers mixes in GenerationMixin (PreTrainedModel does not declare it).
+            out = cast("GenerationMixin", model).generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=settings.max_new_tokens,
+                eos_token_id=list(stop_token_ids) or None,
+                pad_token_id=stop_token_ids[0] if stop_token_ids else 0,
+                repetition_penalty=settings.repetition_penalty,
+                **{"do_sample": False, **sampling, **methods[name]},
+            )
+            outputs[name].append(out[0, len(prompt) :].tolist())
+
+        return generate_one
+
+    seconds = interleave({name: generate_with(name) for name in methods}, len(prompts))
+    return {name: _hf_summary(outputs[name], seconds[name]) for name in methods}
+
+
+def _hf_summary(outputs: list[list[int]], seconds: float) -> dict[str, Any]:
     tokens = sum(len(o) for o in outputs)
     return {
         "tokens": tokens,

@@ -217,6 +217,10 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     counted = torch.zeros(cfg.block_size - 1)
     started, trained_tokens = run.elapsed(), 0
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    if cfg.init_from and held_out and not run.state["curve"]:
+        # Step 0: the source draft on this run's held-out records, the mark the continued draft has to beat.
+        with autocast:
+            run.record(holdout(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma))
     while not run.finished:
         index = [training[i] for i in torch.randint(0, len(training), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate([records[i] for i in index], tokenizer.pad_token_id)
@@ -257,11 +261,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
             }
             if held_out:
                 with autocast:
-                    held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
-                point.update(
-                    holdout_accuracy_per_position=[round(a, 4) for a in held.tolist()],
-                    holdout_expected_tau=expected_tau(held),
-                )
+                    point.update(holdout(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma))
             run.record(point)
             correct.zero_()
             counted.zero_()
@@ -391,6 +391,23 @@ def heldout_accuracy(
         counted += out.counted
     draft.train(was_training)
     return correct / counted.clamp(min=1)
+
+
+def holdout(
+    draft: DFlashDraftModel,
+    target: TargetModel,
+    records: list[tuple[list[int], int]],
+    held_out: list[int],
+    features: Features,
+    pad_id: int,
+    gamma: float,
+) -> dict[str, Any]:
+    """The held-out entries of a curve point: slot accuracies and the tau they imply."""
+    held = heldout_accuracy(draft, target, records, held_out, features, pad_id, gamma)
+    return {
+        "holdout_accuracy_per_position": [round(a, 4) for a in held.tolist()],
+        "holdout_expected_tau": expected_tau(held),
+    }
 
 
 def grow_from(draft: DFlashDraftModel, source: DFlashDraftModel) -> None:
