@@ -31,6 +31,9 @@ class ServeSettings(BaseSettings):
     packed_linears: bool = Field(
         default=True, description="CPU: pack the target's and draft's linear weights once (oneDNN), not per call"
     )
+    threads: int = Field(
+        default=0, ge=0, description="CPU: intra-op threads for decoding; 0: the usable CPUs less one (at least 1)"
+    )
     max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")

@@ -5,6 +5,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from service.engine import (
     BlockPolicy,
@@ -15,6 +16,7 @@ from service.engine import (
     NativeEngineConfig,
     QueueFullError,
 )
+from service.engine.native import decode_threads
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
@@ -254,3 +256,30 @@ def test_requests_being_prefilled_count_against_the_queue_limit(pair):
     results = run(engine, main())
     accepted = [r for r in results if not isinstance(r, BaseException)]
     assert len(accepted) == 8 and all(isinstance(r, QueueFullError) for r in results if r not in accepted)
+
+
+def test_decoding_leaves_a_cpu_to_the_event_loop():
+    assert decode_threads(0, usable_cpus=2) == 1
+    assert decode_threads(0, usable_cpus=1) == 1
+    assert decode_threads(0, usable_cpus=16) == 15
+    assert decode_threads(3, usable_cpus=2) == 3  # asked for: taken as given
+
+
+def test_the_scheduler_decodes_with_the_configured_threads(pair):
+    target, draft, tokenizer = pair
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    wanted = 1 if before > 1 else 2
+    engine = NativeEngine(
+        target,
+        draft,
+        tokenizer,
+        NativeEngineConfig(threads=wanted),
+        on_step=lambda *_: seen.append(torch.get_num_threads()),
+    )
+    try:
+        _, ids, _ = run(engine, collect(engine, GenerateRequest("t", prompts(1)[0], max_tokens=6)))
+    finally:
+        torch.set_num_threads(before)  # torch's setting is process-wide: leave the other tests theirs
+    assert ids == greedy(target, prompts(1)[0], 6)
+    assert seen and set(seen) == {wanted}

@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from service.config import ServeSettings
 from service.engine.profile import profile_step_times
@@ -58,7 +61,9 @@ class NativeEngineConfig:
     profile runs short random prompts on an idle process: on the bundled pair
     its plain steps took 7 ms against 16 ms served). Greedy output is the same
     under any blocks; a sampled row's draws are not, so a batch with one runs no
-    reference step and every request decodes what it decodes alone; 0: never."""
+    reference step and every request decodes what it decodes alone; 0: never.
+    ``threads``: intra-op threads of the scheduler thread's torch ops (0: leave
+    torch's setting; ``decode_threads`` picks the service's default)."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -66,10 +71,27 @@ class NativeEngineConfig:
     compact_slack: int = DEFAULT_COMPACT_SLACK
     proposal: Proposal = "argmax"
     plain_reference_every: int = 64
+    threads: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_waiting < 0 or self.plain_reference_every < 0:
-            raise ValueError("max_batch_size must be >= 1, max_waiting and plain_reference_every >= 0")
+        if self.max_batch_size < 1 or min(self.max_waiting, self.plain_reference_every, self.threads) < 0:
+            raise ValueError("max_batch_size must be >= 1, max_waiting, plain_reference_every and threads >= 0")
+
+
+def decode_threads(requested: int, usable_cpus: int) -> int:
+    """Intra-op threads for decoding: ``requested``, or for 0 the usable CPUs
+    less one, at least one. The event loop (HTTP, SSE, /metrics) needs a core
+    of its own: on the 2-core dev VM, torch's default of two OpenMP threads
+    beside it halved a plain fp32 server's throughput (15.0 against 28.8
+    tokens/s with one thread, docs/LOG.md), because a decode step is hundreds
+    of short parallel regions and each waits for a thread the event loop holds
+    off its core."""
+    return requested or max(1, usable_cpus - 1)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -131,8 +153,14 @@ class NativeEngine:
             else None
         )
         policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
+        threads = decode_threads(settings.threads, usable_cpus()) if settings.device == "cpu" else 0
+        log.info("decode threads: %s", threads or "torch's default")
         config = NativeEngineConfig(
-            settings.max_batch_size, settings.max_waiting, policy, plain_reference_every=settings.plain_reference_every
+            settings.max_batch_size,
+            settings.max_waiting,
+            policy,
+            plain_reference_every=settings.plain_reference_every,
+            threads=threads,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
 
@@ -241,6 +269,8 @@ class NativeEngine:
     # ---------------------------------------------------------------- scheduler
 
     def _run(self) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
         while True:
             with self._lock:
                 while not self._waiting and not self._running and not self._stopped:
