@@ -220,7 +220,8 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     if cfg.init_from and held_out and not run.state["curve"]:
         # Step 0: the source draft on this run's held-out records, the mark the continued draft has to beat.
         with autocast:
-            run.record(holdout(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma))
+            held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
+            run.record(holdout_point(held))
     while not run.finished:
         index = [training[i] for i in torch.randint(0, len(training), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate([records[i] for i in index], tokenizer.pad_token_id)
@@ -261,7 +262,8 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
             }
             if held_out:
                 with autocast:
-                    point.update(holdout(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma))
+                    held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
+                    point.update(holdout_point(held))
             run.record(point)
             correct.zero_()
             counted.zero_()
@@ -393,17 +395,8 @@ def heldout_accuracy(
     return correct / counted.clamp(min=1)
 
 
-def holdout(
-    draft: DFlashDraftModel,
-    target: TargetModel,
-    records: list[tuple[list[int], int]],
-    held_out: list[int],
-    features: Features,
-    pad_id: int,
-    gamma: float,
-) -> dict[str, Any]:
-    """The held-out entries of a curve point: slot accuracies and the tau they imply."""
-    held = heldout_accuracy(draft, target, records, held_out, features, pad_id, gamma)
+def holdout_point(held: torch.Tensor) -> dict[str, Any]:
+    """The held-out entries of a curve point, from ``heldout_accuracy``: slot accuracies and the tau they imply."""
     return {
         "holdout_accuracy_per_position": [round(a, 4) for a in held.tolist()],
         "holdout_expected_tau": expected_tau(held),
