@@ -2,6 +2,7 @@
 draining and the block-size policy, on the tiny pipeline model and tokenizer."""
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -16,7 +17,7 @@ from service.engine import (
     NativeEngineConfig,
     QueueFullError,
 )
-from service.engine.native import decode_threads
+from service.engine.native import decode_threads, usable_cpus
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
@@ -263,6 +264,15 @@ def test_decoding_leaves_a_cpu_to_the_event_loop():
     assert decode_threads(0, usable_cpus=1) == 1
     assert decode_threads(0, usable_cpus=16) == 15
     assert decode_threads(3, usable_cpus=2) == 3  # asked for: taken as given
+
+
+def test_a_container_cpu_limit_caps_the_usable_cpus(tmp_path):
+    everything = usable_cpus(tmp_path / "absent")  # no cgroup v2 CPU controller: the affinity mask
+    assert everything == len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    for written, expected in [("max 100000", everything), ("50000 100000", 1), ("150000 100000", min(2, everything))]:
+        cpu_max.write_text(written + "\n")
+        assert usable_cpus(cpu_max) == expected
 
 
 def test_the_scheduler_decodes_with_the_configured_threads(pair):

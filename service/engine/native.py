@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 import threading
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -89,9 +91,18 @@ def decode_threads(requested: int, usable_cpus: int) -> int:
     return requested or max(1, usable_cpus - 1)
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """CPUs this process may run on: its affinity mask (a cpuset), capped by a
+    cgroup v2 CPU quota (a container's CPU limit: ``"200000 100000"`` is 2
+    CPUs, rounded up), which the affinity mask does not show."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()
+    except (OSError, ValueError):  # no cgroup v2 CPU controller here: the affinity mask is all there is
+        return cpus
+    if quota == "max":
+        return cpus
+    return max(1, min(cpus, math.ceil(int(quota) / int(period))))
 
 
 @dataclass
