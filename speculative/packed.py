@@ -60,7 +60,9 @@ class PackedLinear(nn.Module):
             self._packed = self._pack()
         # oneDNN multiplies only in the weight's dtype. Under autocast (the bf16 held-out pass of draft
         # training) an fp32 draft hands a bf16 target head fp32 activations; F.linear would cast them too.
-        return packed_linear(x.to(self.weight.dtype), self._packed[1], self.bias)
+        if x.dtype != self.weight.dtype:  # a compare, not a no-op ``to`` dispatch: 211 linears run every step
+            x = x.to(self.weight.dtype)
+        return packed_linear(x, self._packed[1], self.bias)
 
     def _pack(self) -> tuple[int, torch.Tensor]:
         """(the weight's version counter, the weight packed)."""

@@ -260,10 +260,10 @@ def test_requests_being_prefilled_count_against_the_queue_limit(pair):
 
 
 def test_decoding_leaves_a_cpu_to_the_event_loop():
-    assert decode_threads(0, usable_cpus=2) == 1
-    assert decode_threads(0, usable_cpus=1) == 1
-    assert decode_threads(0, usable_cpus=16) == 15
-    assert decode_threads(3, usable_cpus=2) == 3  # asked for: taken as given
+    assert decode_threads(0, cpus=2) == 1
+    assert decode_threads(0, cpus=1) == 1
+    assert decode_threads(0, cpus=16) == 15
+    assert decode_threads(3, cpus=2) == 3  # asked for: taken as given
 
 
 def test_a_container_cpu_limit_caps_the_usable_cpus(tmp_path):

@@ -80,15 +80,15 @@ class NativeEngineConfig:
             raise ValueError("max_batch_size must be >= 1, max_waiting, plain_reference_every and threads >= 0")
 
 
-def decode_threads(requested: int, usable_cpus: int) -> int:
-    """Intra-op threads for decoding: ``requested``, or for 0 the usable CPUs
-    less one, at least one. The event loop (HTTP, SSE, /metrics) needs a core
+def decode_threads(requested: int, cpus: int) -> int:
+    """Intra-op threads for decoding: ``requested``, or for 0 the usable
+    ``cpus`` less one, at least one. The event loop (HTTP, SSE, /metrics) needs a core
     of its own: on the 2-core dev VM, torch's default of two OpenMP threads
     beside it halved a plain fp32 server's throughput (15.0 against 28.8
     tokens/s with one thread, docs/LOG.md), because a decode step is hundreds
     of short parallel regions and each waits for a thread the event loop holds
     off its core."""
-    return requested or max(1, usable_cpus - 1)
+    return requested or max(1, cpus - 1)
 
 
 def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:

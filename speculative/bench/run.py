@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -19,6 +19,8 @@ from speculative.target import TargetModel
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ def distinct_ngram_ratio(sequences: Sequence[Sequence[int]], n: int = 4) -> floa
     return distinct / total if total else 1.0
 
 
-def interleave(methods: Mapping[str, Callable[[int], None]], count: int) -> dict[str, float]:
+def interleave(methods: Mapping[K, Callable[[int], None]], count: int) -> dict[K, float]:
     """Time every method on unit 0, then every method on unit 1, and so on, the
     order rotated by one per unit; returns each method's total seconds.
 
@@ -98,8 +100,8 @@ def run_dflash(
 
         return decode_chunk
 
-    seconds = interleave({str(b): decode_at(b) for b in block_sizes}, len(chunks))
-    return {b: _dflash_summary(results[b], b, batch_size, temperature, seconds[str(b)]) for b in block_sizes}
+    seconds = interleave({b: decode_at(b) for b in block_sizes}, len(chunks))
+    return {b: _dflash_summary(results[b], b, batch_size, temperature, seconds[b]) for b in block_sizes}
 
 
 def _dflash_summary(

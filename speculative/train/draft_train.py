@@ -217,11 +217,15 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     counted = torch.zeros(cfg.block_size - 1)
     started, trained_tokens = run.elapsed(), 0
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
-    if cfg.init_from and held_out and not run.state["curve"]:
-        # Step 0: the source draft on this run's held-out records, the mark the continued draft has to beat.
+
+    def score_holdout() -> dict[str, Any]:
         with autocast:
             held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
-            run.record(holdout_point(held))
+        return holdout_point(held)
+
+    if cfg.init_from and held_out and not run.state["curve"]:
+        # Step 0: the source draft on this run's held-out records, the mark the continued draft has to beat.
+        run.record(score_holdout())
     while not run.finished:
         index = [training[i] for i in torch.randint(0, len(training), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate([records[i] for i in index], tokenizer.pad_token_id)
@@ -261,9 +265,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
                 "response_tokens_per_second": round(trained_tokens / max(1e-9, run.elapsed() - started), 1),
             }
             if held_out:
-                with autocast:
-                    held = heldout_accuracy(draft, target, records, held_out, features, tokenizer.pad_token_id, gamma)
-                    point.update(holdout_point(held))
+                point.update(score_holdout())
             run.record(point)
             correct.zero_()
             counted.zero_()
