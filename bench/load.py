@@ -1,7 +1,7 @@
 """``dflash-load``: a load sweep against a running OpenAI-compatible server.
 
 For each concurrency level, ``requests`` streaming chat completions (HumanEval
-prompts) run with at most ``concurrency`` in flight, through the official async
+or MT-Bench prompts) run with at most ``concurrency`` in flight, through the official async
 OpenAI client. Reported per level: output tokens/s, TTFT and inter-chunk
 latency p50/p99, end-to-end latency, the mean acceptance length the server
 reports (``speculative`` field of the usage chunk; absent on other servers),
@@ -25,7 +25,7 @@ import httpx2
 import openai
 
 from service.metrics import SpeedupCounters, counters_between, overall_achieved_speedup, speedup_counters
-from speculative.bench.datasets import humaneval
+from speculative.bench.datasets import DATASETS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -196,7 +196,7 @@ async def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every concurrency level in turn; returns their summaries."""
     client = openai.AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
     model = args.model or (await client.models.list()).data[0].id
-    texts = [p.text for p in humaneval()]
+    texts = [p.text for p in DATASETS[args.dataset]()]
     summaries = []
     if args.direct_target:
         from transformers import AutoTokenizer
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dataset", default="humaneval", choices=sorted(DATASETS), help="the requests' prompts")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="sent as an extra field when not 1")
     parser.add_argument("--direct-target", type=Path, help="also run the engine in-process (no HTTP) on this target")
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     header = " ".join(f"{name:>{width}}" for name, width in columns)
     print(f"{'mode':<13} {header} {'e2e':>7} {'tau':>5} {'speedup':>7}   (ms; e2e in s; speedup: achieved)")
     summaries = asyncio.run(sweep(args))
-    print(json.dumps({"url": args.url, "max_tokens": args.max_tokens, "levels": summaries}))
+    print(json.dumps({"url": args.url, "dataset": args.dataset, "max_tokens": args.max_tokens, "levels": summaries}))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ import openai
 from bench.load import level_speedup, run_level, scrape_speedup_counters
 from service.controller.estimates import Observation
 from service.controller.source import scrape_replicas
-from speculative.bench.datasets import humaneval
+from speculative.bench.datasets import DATASETS
+from speculative.bundled import DEFAULT_DRAFT, DEFAULT_TARGET
+from speculative.config import DFlashConfig
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,13 @@ class Mode:
         # The profile gives a server that never runs b = 1 its plain-decoding rate (the achieved speedup's reference).
         profile = ("--profile-startup", "true") if int(block) > 1 else ()
         return cls(text, ("--block-size", block, "--controller", "false", *profile))
+
+
+def default_modes(block_size: int) -> list[str]:
+    """Plain decoding, every power-of-two block up to the draft's trained
+    ``block_size`` and that block itself, and the adaptive policy."""
+    blocks = sorted({b for b in (2, 4, 8, 16, 32) if b < block_size} | ({block_size} if block_size > 1 else set()))
+    return ["fixed:1", *(f"fixed:{b}" for b in blocks), "adaptive"]
 
 
 def free_port() -> int:
@@ -125,7 +134,7 @@ async def measure(
     every mode in turn: one summary per mode and level (tokens/s averaged over
     the passes, each pass's value kept), and the (pass, concurrency, mode)
     order the levels ran in."""
-    texts = [p.text for p in humaneval()]
+    texts = [p.text for p in DATASETS[args.dataset]()]
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [[] for _ in args.concurrency] for name in urls}
     order: list[list[str | int]] = []
     clients = {
@@ -241,9 +250,12 @@ def plot(comparison: dict[str, Any], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(prog="dflash-sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=Path, default=Path("models/pycoder-12m"))
-    parser.add_argument("--draft", type=Path, default=Path("models/pycoder-12m-dflash-b16"))
-    parser.add_argument("--modes", nargs="+", default=["fixed:1", "fixed:4", "fixed:8", "fixed:16", "adaptive"])
+    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    parser.add_argument(
+        "--modes", nargs="+", help="fixed:B or adaptive (default: fixed:1, blocks up to the draft's, adaptive)"
+    )
+    parser.add_argument("--dataset", default="humaneval", choices=sorted(DATASETS), help="the requests' prompts")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--requests-per-level", type=int, default=2, help="measured requests = this x concurrency")
     parser.add_argument(
@@ -263,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    modes = [Mode.parse(m, args.controller_interval_s) for m in args.modes]
+    names = args.modes or default_modes(DFlashConfig.from_file(args.draft).block_size)
+    modes = [Mode.parse(m, args.controller_interval_s) for m in names]
     processes: list[subprocess.Popen[bytes]] = []
     try:
         urls = {}

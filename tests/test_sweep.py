@@ -8,7 +8,16 @@ import json
 import pytest
 
 from bench.load import LevelResult, RequestResult
-from bench.sweep import Mode, average_passes, block_mix, compare, main, step_seconds_by_block, turns
+from bench.sweep import (
+    Mode,
+    average_passes,
+    block_mix,
+    compare,
+    default_modes,
+    main,
+    step_seconds_by_block,
+    turns,
+)
 from service.controller.estimates import Observation
 
 
@@ -139,3 +148,9 @@ def test_a_levels_acceptance_length_is_over_all_rounds():
     level = LevelResult(1, 1.0, [RequestResult(0.1, [], 1.0, 96, 12, 84), RequestResult(0.1, [], 1.0, 96, 68, 28)])
     assert level.summary()["acceptance_length"] == pytest.approx((12 + 84 + 68 + 28) / (12 + 68))
     assert LevelResult(1, 1.0, [RequestResult(0.1, [], 1.0, 9)]).summary()["acceptance_length"] is None
+
+
+def test_default_modes_follow_the_drafts_block_size():
+    assert default_modes(4) == ["fixed:1", "fixed:2", "fixed:4", "adaptive"]
+    assert default_modes(3) == ["fixed:1", "fixed:2", "fixed:3", "adaptive"]
+    assert default_modes(16) == ["fixed:1", "fixed:2", "fixed:4", "fixed:8", "fixed:16", "adaptive"]
