@@ -37,6 +37,12 @@ class ServeSettings(BaseSettings):
     max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")
+    branches: int = Field(
+        default=4,
+        ge=1,
+        description="native engine: the draft's most likely tokens for the first drafted slot verified in one block "
+        "(greedy requests without penalties); 1: the draft's chain alone",
+    )
     drain_timeout_s: float = Field(default=60.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
     admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")
     controller: bool = Field(default=True, description="adapt the block size to load in-process")

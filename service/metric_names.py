@@ -17,6 +17,7 @@ DRAFT_TOKENS = "dflash_draft_tokens"
 ACCEPTED_TOKENS = "dflash_accepted_tokens"
 ACCEPTED_PER_POSITION = "dflash_accepted_tokens_per_position"
 VERIFIED_PER_POSITION = "dflash_verified_tokens_per_position"
+BRANCH_ACCEPTED_TOKENS = "dflash_branch_accepted_tokens"
 STEP_SECONDS = "dflash_step_seconds"
 BLOCK_SIZE = "dflash_block_size"
 # What serving steps delivered, and plain decoding's rate to compare with (the achieved speedup).
@@ -49,6 +50,7 @@ METRIC_NAMES = frozenset(
         ACCEPTED_TOKENS,
         ACCEPTED_PER_POSITION,
         VERIFIED_PER_POSITION,
+        BRANCH_ACCEPTED_TOKENS,
         STEP_SECONDS,
         BLOCK_SIZE,
         SERVED_STEP_SECONDS,

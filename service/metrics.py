@@ -189,6 +189,12 @@ class Metrics:
         self.verified_per_position = Counter(
             names.VERIFIED_PER_POSITION, "Drafts verified at block position", ["position"], registry=r
         )
+        self.branch_accepted_tokens = Counter(
+            names.BRANCH_ACCEPTED_TOKENS,
+            "First-slot alternates accepted in place of the chain's first draft (--branches; also in accepted tokens)",
+            ["block_size"],
+            registry=r,
+        )
         self.step_seconds = Histogram(
             names.STEP_SECONDS, "Engine step time", ["block_size", "batch_bucket"], buckets=STEP_BUCKETS, registry=r
         )
@@ -262,6 +268,7 @@ class Metrics:
         if stats.block_size > 1:
             self.draft_tokens.labels(b).inc(sum(stats.verified_per_position))
             self.accepted_tokens.labels(b).inc(sum(stats.accepted_per_position))
+            self.branch_accepted_tokens.labels(b).inc(stats.branches_taken)
             for k, (accepted, verified) in enumerate(
                 zip(stats.accepted_per_position, stats.verified_per_position, strict=True), start=1
             ):

@@ -35,6 +35,8 @@ class DecodeConfig:
     proposal: "argmax" drafts the draft's most likely token at each slot (q is a
         point mass), "sample" samples it from the warped draft distribution.
     compact_slack: compact the caches once this many slots per row are wasted.
+    branches: candidates verified for the first drafted slot (the draft's most
+        likely tokens; 1: the chain alone). Greedy rows without penalties only.
     """
 
     block_size: int = 16
@@ -42,6 +44,7 @@ class DecodeConfig:
     stop_token_ids: tuple[int, ...] = ()
     proposal: Proposal = "argmax"
     compact_slack: int = DEFAULT_COMPACT_SLACK
+    branches: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -52,6 +55,8 @@ class DecodeConfig:
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.compact_slack < 0:
             raise ValueError(f"compact_slack must be >= 0, got {self.compact_slack}")
+        if self.branches < 1:
+            raise ValueError(f"branches must be >= 1, got {self.branches}")
 
 
 @dataclass
@@ -93,6 +98,7 @@ def spec_generate(
         draft if config.block_size > 1 else None,
         proposal=config.proposal,
         compact_slack=config.compact_slack,
+        branches=config.branches,
     )
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)

@@ -29,10 +29,12 @@ import torch
 
 from speculative.batch import RaggedBatch, append_draft_context, draft_context
 from speculative.draft import DFlashDraftModel
+from speculative.masks import tree_visibility
 from speculative.penalties import TokenHistory, penalize
 from speculative.rows import Rows
 from speculative.sampling import (
     SamplingParams,
+    greedy_tokens,
     make_generators,
     probabilities,
     sample_positions,
@@ -40,7 +42,7 @@ from speculative.sampling import (
     suppress_early,
 )
 from speculative.target import TargetModel
-from speculative.verify import Verdict, verify_greedy, verify_sampled
+from speculative.verify import Verdict, verify_greedy, verify_greedy_branches, verify_sampled
 
 Proposal = Literal["argmax", "sample"]  # how a draft slot's token is chosen: the draft's argmax, or sampled
 DEFAULT_COMPACT_SLACK = 64  # wasted cache slots per row that trigger a compaction
@@ -62,6 +64,8 @@ class RoundStats:
     verified_per_position: list[int]
     draft_seconds: float
     verify_seconds: float
+    branches_taken: int = 0
+    """Rows that committed a first-slot alternate instead of their chain."""
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -99,14 +103,19 @@ class DecodeSession:
         proposal: Proposal = "argmax",
         compact_slack: int = DEFAULT_COMPACT_SLACK,
         in_place_cache: bool = True,
+        branches: int = 1,
     ) -> None:
+        """``branches``: candidates verified for the first drafted slot, the
+        draft's most likely tokens there (1: the chain alone; see ``_alternates``)."""
         if proposal not in get_args(Proposal):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1, got {branches}")
         if draft is not None:
             check_pair(target, draft)
         self.feature_layers = draft.config.target_layer_ids if draft is not None else ()
         self.target, self.draft = target, draft
-        self.proposal, self.compact_slack = proposal, compact_slack
+        self.proposal, self.compact_slack, self.branches = proposal, compact_slack, branches
         # Appending in place made batch-48 CPU decode steps 5x cheaper than transformers'
         # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
@@ -240,17 +249,35 @@ class DecodeSession:
         batch, device = self._batch(), self.target.device
         positions = batch.lengths[:, None] + torch.arange(block_size, device=device)
         t0 = _clock(device)
-        drafts, draft_probs = self._propose(positions)
+        drafts, draft_probs, alternates = self._propose(positions)
         t1 = _clock(device)
-        block = torch.cat([self.rows.anchors[:, None], drafts], dim=1)
+        block = torch.cat([self.rows.anchors[:, None], drafts, alternates], dim=1)
+        visible = None
+        if alternates.shape[1]:
+            # Alternates stand at the first drafted slot's position and see only the anchor.
+            positions = torch.cat([positions, positions[:, 1:2].expand(-1, alternates.shape[1])], dim=1)
+            visible = tree_visibility(block_size, alternates.shape[1], device)
         verified = self.target.forward(
-            block, positions, batch.target_cache, batch.slot_positions, feature_layers=self.feature_layers
+            block,
+            positions,
+            batch.target_cache,
+            batch.slot_positions,
+            feature_layers=self.feature_layers,
+            block_visible=visible,
         )
-        verdict = self._accept(drafts, draft_probs, verified.logits)
-        self._commit(verdict, positions, verified.features)
+        verdict = self._accept(drafts, draft_probs, alternates, verified.logits)
+        self._commit(verdict, positions, verified.features, block_size)
         t2 = _clock(device)
 
         num_accepted = verdict.num_accepted.tolist()
+        branches_taken = 0
+        if verdict.branch is not None:
+            # A row that took an alternate committed it in place of its first draft.
+            taken = verdict.branch >= 0
+            branches_taken = int(taken.sum())
+            if branches_taken:
+                drafts = drafts.clone()
+                drafts[taken, 0] = alternates[taken, verdict.branch[taken]]
         emitted = {
             key: [*d[:n], t]
             for key, d, n, t in zip(
@@ -261,7 +288,7 @@ class DecodeSession:
         params = self.rows.params
         self.rows.history.add([t if p.penalized else () for t, p in zip(emitted.values(), params, strict=True)])
         self.rows.generated = [n + len(t) for n, t in zip(self.rows.generated, emitted.values(), strict=True)]
-        return _round_stats(num_accepted, block_size, t1 - t0, t2 - t1), emitted
+        return _round_stats(num_accepted, block_size, t1 - t0, t2 - t1, branches_taken), emitted
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
         """Run the target over the left-padded prompts, fill both caches; returns
@@ -286,12 +313,14 @@ class DecodeSession:
         batch.commit(positions)
         return batch, out.logits[:, -1]
 
-    def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1]
-        and, for sampled proposals, their distributions q [B, b-1, V]."""
+    def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1],
+        for sampled proposals their distributions q [B, b-1, V], and the
+        alternates for the first drafted slot [B, m] (``_alternates``)."""
         anchors = self.rows.anchors
+        none = anchors.new_empty(len(anchors), 0)
         if positions.shape[1] == 1:
-            return anchors.new_empty(len(anchors), 0), None
+            return none, None, none
         draft, batch = self.draft, self._batch()
         # Blocks over 1 need a draft (``step`` checks), whose rows have a draft cache.
         assert draft is not None and batch.draft_cache is not None
@@ -304,9 +333,24 @@ class DecodeSession:
         # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
         logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
         if self.proposal == "argmax":
-            return logits.argmax(dim=-1), None
+            drafts = greedy_tokens(logits)
+            return drafts, None, self._alternates(logits[:, 0], drafts[:, 0])
         q = probabilities(logits, self.rows.params)
-        return sample_positions(q, self.rows.generators), q
+        return sample_positions(q, self.rows.generators), q, none
+
+    def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
+        """The draft's next ``branches - 1`` most likely tokens for the first
+        drafted slot after its draft ``first_drafts`` [B] (from ``first_logits``
+        [B, V]), verified beside the chain [B, m]. A round gets them only when
+        every row is greedy without penalties or early-stop suppression: an
+        alternate's exact prefix differs from the chain's, and then no row's
+        distribution depends on its prefix beyond what the target computes."""
+        rows = zip(self.rows.params, self.rows.generated, strict=True)
+        plain_greedy = all(p.greedy and not p.penalized and not (p.suppressed and n < p.min_tokens) for p, n in rows)
+        if self.branches == 1 or not plain_greedy:
+            return first_drafts.new_empty(len(first_drafts), 0)
+        others = first_logits.scatter(-1, first_drafts[:, None], float("-inf"))
+        return others.topk(self.branches - 1, dim=-1).indices
 
     def _adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """The rows' penalties and early stop suppression on block logits [B, n, V]:
@@ -314,7 +358,16 @@ class DecodeSession:
         logits = penalize(logits, self.rows.params, self.rows.history, drafts)
         return suppress_early(logits, self.rows.params, self.rows.generated)
 
-    def _accept(self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor) -> Verdict:
+    def _accept(
+        self,
+        drafts: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        alternates: torch.Tensor,
+        target_logits: torch.Tensor,
+    ) -> Verdict:
+        if alternates.shape[1]:
+            # Only rows with nothing to adjust get alternates (``_alternates``).
+            return verify_greedy_branches(drafts, alternates, target_logits)
         params = self.rows.params
         # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
         target_logits = self._adjusted(target_logits, drafts)
@@ -322,11 +375,12 @@ class DecodeSession:
             return verify_greedy(drafts, target_logits)
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)
 
-    def _commit(self, verdict: Verdict, positions: torch.Tensor, features: torch.Tensor | None) -> None:
-        """Keep the anchor and accepted drafts of the appended block in both caches."""
-        slots = torch.arange(positions.shape[1], device=positions.device)
+    def _commit(
+        self, verdict: Verdict, positions: torch.Tensor, features: torch.Tensor | None, block_size: int
+    ) -> None:
+        """Keep the anchor and the accepted drafts (or alternate) of the appended block in both caches."""
         batch = self._batch()
-        batch.commit(torch.where(slots[None, :] <= verdict.num_accepted[:, None], positions, -1))
+        batch.commit(torch.where(verdict.kept_slots(block_size, positions.shape[1] - block_size), positions, -1))
         if self.draft is not None:
             self._append_context(batch, self.draft, features, positions)
 
@@ -349,11 +403,13 @@ def _sample_first(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> torch.Tensor:
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     return sample_rows(probabilities(logits[:, None], params)[:, 0], generators)
 
 
-def _round_stats(num_accepted: list[int], b: int, draft_seconds: float, verify_seconds: float) -> RoundStats:
+def _round_stats(
+    num_accepted: list[int], b: int, draft_seconds: float, verify_seconds: float, branches_taken: int = 0
+) -> RoundStats:
     return RoundStats(
         batch_size=len(num_accepted),
         block_size=b,
@@ -362,6 +418,7 @@ def _round_stats(num_accepted: list[int], b: int, draft_seconds: float, verify_s
         verified_per_position=[len(num_accepted)] * (b - 1),
         draft_seconds=draft_seconds,
         verify_seconds=verify_seconds,
+        branches_taken=branches_taken,
     )
 
 

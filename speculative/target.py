@@ -180,21 +180,30 @@ class TargetModel:
         *,
         feature_layers: tuple[int, ...] = (),
         logits_to_keep: int = 0,
+        block_visible: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Append ``input_ids`` [B, q] at ``positions`` [B, q] (-1 = padding) to
         ``cache``, whose slots hold the tokens at ``cache_positions`` [B, T]
         (-1 = ignore). Causal within the new tokens; rejected or padded slots are
         hidden by the mask. ``feature_layers``: decoder layers whose outputs to
         return, concatenated in that order, as ``features``. ``logits_to_keep``:
-        logits of that many last positions only (0: all)."""
+        logits of that many last positions only (0: all). ``block_visible``
+        [q, q] bool: which new tokens each new token may see besides the
+        position rule (a tree of candidates: a token sees its ancestors only)."""
         self._ensure_hooks(feature_layers)
         key_positions = torch.cat([cache_positions, positions], dim=1)
-        allowed = attention_allowed(positions, key_positions, causal=True)
-        full = additive_mask(allowed, self.dtype)
+
+        def allowed(window: int | None = None) -> torch.Tensor:
+            visible = attention_allowed(positions, key_positions, causal=True, window=window)
+            if block_visible is not None:
+                visible[:, :, cache_positions.shape[1] :] &= block_visible
+            return visible
+
+        full = additive_mask(allowed(), self.dtype)
         mask: torch.Tensor | dict[str, torch.Tensor] = full
         if "sliding_attention" in self._layer_types:
-            sliding = attention_allowed(positions, key_positions, causal=True, window=self._sliding_window)
-            mask = {"full_attention": full, "sliding_attention": additive_mask(sliding, self.dtype)}
+            sliding = additive_mask(allowed(self._sliding_window), self.dtype)
+            mask = {"full_attention": full, "sliding_attention": sliding}
         self._local.captured = {} if feature_layers else None
         try:
             out = self.model(

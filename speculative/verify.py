@@ -16,15 +16,28 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.sampling import sample_rows, uniform_rows
+from speculative.sampling import greedy_tokens, sample_rows, uniform_rows
 
 
 @dataclass
 class Verdict:
-    """Per row: drafts accepted [B] and the token that follows them [B]."""
+    """Per row: drafts accepted [B] and the token that follows them [B];
+    ``branch`` [B]: which first-slot alternate was accepted instead of the
+    chain (-1: none; None: the round had no alternates)."""
 
     num_accepted: torch.Tensor
     next_token: torch.Tensor
+    branch: torch.Tensor | None = None
+
+    def kept_slots(self, block_size: int, num_alternates: int) -> torch.Tensor:
+        """[B, block_size + num_alternates] bool: the block slots each row commits
+        (the anchor, then its accepted chain drafts or its accepted alternate)."""
+        slots = torch.arange(block_size + num_alternates, device=self.num_accepted.device)
+        chain = (slots[None, :] <= self.num_accepted[:, None]) & (slots[None, :] < block_size)
+        if self.branch is None:
+            return chain
+        branch = self.branch[:, None]
+        return torch.where(branch >= 0, (slots[None, :] == 0) | (slots[None, :] == block_size + branch), chain)
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -35,10 +48,37 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
 def verify_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """Greedy: accept the longest prefix where draft == target argmax, then take the
     target's own token at the first mismatch (or the bonus after the last slot)."""
-    target_tokens = target_logits.argmax(dim=-1)
-    num_accepted = accepted_prefix(drafts == target_tokens[:, :-1])
+    return _greedy_chain(drafts, greedy_tokens(target_logits))
+
+
+def _greedy_chain(drafts: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
+    """``verify_greedy`` on the target's argmax tokens [B, >= b] (slots past b ignored)."""
+    num_accepted = accepted_prefix(drafts == target_tokens[:, : drafts.shape[1]])
     next_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
     return Verdict(num_accepted=num_accepted, next_token=next_token)
+
+
+def verify_greedy_branches(drafts: torch.Tensor, alternates: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """Greedy over a tree: the chain ``drafts`` [B, b-1] at block slots 1..b-1,
+    plus ``alternates`` [B, m], other candidates for slot 1 at slots b..b+m-1,
+    each seeing only the anchor (``target_logits`` [B, b+m, V]). The chain is
+    judged as ``verify_greedy``; when its first draft fails and an alternate
+    is the target's token after the anchor, that alternate is accepted and the
+    target's token after it (its own slot's argmax) follows. Exact: every
+    committed token is the target's argmax after its exact prefix."""
+    block_size = drafts.shape[1] + 1
+    target_tokens = greedy_tokens(target_logits)
+    chain = _greedy_chain(drafts, target_tokens)
+    # Alternates differ from the chain's first draft, so at most one of the two can match.
+    hit = alternates == target_tokens[:, :1]
+    taken = (chain.num_accepted == 0) & hit.any(dim=1)
+    branch = torch.where(taken, hit.to(torch.int8).argmax(dim=1), -1)
+    after_branch = target_tokens.gather(1, (block_size + branch.clamp(min=0))[:, None]).squeeze(1)
+    return Verdict(
+        num_accepted=torch.where(taken, 1, chain.num_accepted),
+        next_token=torch.where(taken, after_branch, chain.next_token),
+        branch=branch,
+    )
 
 
 def verify_sampled(

@@ -14,10 +14,11 @@ from live import make_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.responses import ChatCompletion, Completion, ErrorResponse, Model, ModelList
-from service.metrics import batch_bucket
+from service.metrics import Metrics, batch_bucket
 from speculative.chat import user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.sampling import GREEDY, SamplingParams
+from speculative.session import RoundStats
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,16 @@ def test_metrics_count_steps_tokens_and_requests(server, client):
     assert value("dflash_step_seconds_count", block_size="4", batch_bucket="1") > 0
 
 
+def test_first_slot_alternates_are_counted_beside_accepted_tokens():
+    metrics = Metrics()
+    # Three rows at b4: one accepted two chain drafts, one an alternate, one nothing.
+    stats = RoundStats(3, 4, [3, 2, 1], [2, 1, 0], [3, 3, 3], 0.001, 0.02, branches_taken=1)
+    metrics.observe_step(stats, 0.021)
+    value = metrics.registry.get_sample_value
+    assert value("dflash_branch_accepted_tokens_total", {"block_size": "4"}) == 1
+    assert value("dflash_accepted_tokens_total", {"block_size": "4"}) == 3
+
+
 def test_batch_buckets():
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 63, 64, 500)] == [
         "1",
@@ -285,10 +296,13 @@ def test_load_sweep_against_the_live_server(server, capsys):
             "8",
             "--repetition-penalty",
             "1.3",
+            "--dataset",
+            "mtbench",
         ]
     )
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
+    assert summary["dataset"] == "mtbench"
     assert [level["concurrency"] for level in summary["levels"]] == [1, 3]
     assert {level["mode"] for level in summary["levels"]} == {"http"}
     for level in summary["levels"]:

@@ -63,6 +63,9 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
             "--block-sizes",
             "2",
             "4",
+            "--branches",
+            "1",
+            "3",
             "--temperatures",
             "0",
             "1",
@@ -75,10 +78,13 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
     summary = json.loads(lines[-1])
     rows = summary["rows"]
     methods = {r["method"] for r in rows}
-    assert methods == {"target-only", "dflash b2", "dflash b4", "hf generate", "hf prompt-lookup", "hf assisted"}
+    dflash = {"dflash b2", "dflash b4", "dflash b2 k3", "dflash b4 k3"}
+    assert methods == {"target-only", *dflash, "hf generate", "hf prompt-lookup", "hf assisted"}
     assert {r["dataset"] for r in rows} == {"humaneval", "mtbench"}
     greedy_dflash = [r for r in rows if r["method"].startswith("dflash") and r["temperature"] == 0]
     assert greedy_dflash and all(r["lossless"] for r in greedy_dflash)
+    # Alternates are verified for greedy rows only: sampled rows never take one.
+    assert all(r["branch_share"] == 0 for r in rows if r["method"].startswith("dflash") and r["temperature"] > 0)
     assert all(len(r["acceptance_per_position"]) == r["block_size"] - 1 for r in greedy_dflash)
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert lines[0].startswith("dtype float32 (asked for); CPU features:")  # figures carry the machine beside them

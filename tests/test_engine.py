@@ -45,9 +45,14 @@ def run(engine, coro):
         engine.stop()
 
 
-def test_concurrent_requests_get_their_greedy_tokens_and_text(pair):
+@pytest.mark.parametrize("branches", [1, 4])
+def test_concurrent_requests_get_their_greedy_tokens_and_text(pair, branches, monkeypatch):
     target, draft, tokenizer = pair
-    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=3, policy=BlockPolicy.fixed(8)))
+    widths = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda ids, *a, **k: widths.append(ids.shape[1]) or forward(ids, *a, **k))
+    config = NativeEngineConfig(max_batch_size=3, policy=BlockPolicy.fixed(8), branches=branches)
+    engine = NativeEngine(target, draft, tokenizer, config)
     requests = [GenerateRequest(f"r{i}", p, max_tokens=10 + 3 * i) for i, p in enumerate(prompts(7))]
 
     async def main():
@@ -61,6 +66,7 @@ def test_concurrent_requests_get_their_greedy_tokens_and_text(pair):
         assert deltas[-1].prompt_tokens == len(request.prompt_ids)
         assert deltas[-1].spec.rounds > 0 and deltas[-1].spec.acceptance_length >= 1
     assert engine.session.batch is None and engine.stats().running == 0
+    assert 8 + branches - 1 in widths  # verify blocks: the chain, then the first slot's alternates
 
 
 def test_stop_token_and_stop_string(pair):

@@ -8,9 +8,11 @@ from builders import VOCAB, random_prompts, reference_greedy, tiny_draft, tiny_t
 
 from speculative.config import DraftTargetMismatch
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.sampling import SamplingParams, greedy_tokens
 from speculative.session import DecodeSession
 from speculative.train.draft_vocab import frequent_token_ids, token_coverage
 from speculative.train.objective import simulated_greedy_rounds
+from speculative.verify import verify_greedy_branches
 
 NEW_TOKENS = 32
 PROMPTS = random_prompts(24, seed=11, min_len=2, max_len=24)
@@ -68,9 +70,9 @@ def test_reduced_draft_vocabulary_matches_target_greedy(reduced_vocab, block_siz
     original = DecodeSession._propose
 
     def spy(self, positions):
-        drafts, q = original(self, positions)
+        drafts, q, alternates = original(self, positions)
         proposed.append(drafts.flatten())
-        return drafts, q
+        return drafts, q, alternates
 
     monkeypatch.setattr(DecodeSession, "_propose", spy)
     config = DecodeConfig(block_size=block_size, max_new_tokens=NEW_TOKENS)
@@ -194,3 +196,59 @@ def test_greedy_on_cuda_matches_target_greedy(qwen_pair):
     finally:
         target.model.to("cpu")
         draft.to("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_are_the_argmax_in_any_precision_first_on_ties(dtype):
+    logits = torch.randn(3, 4, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[0, 1, [7, 500]] = 100  # a tie: the first index wins
+    logits[2, 3] = 0  # all tie
+    tokens = greedy_tokens(logits)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert (tokens[0, 1].item(), tokens[2, 3].item()) == (7, 0)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("branches", [2, 4])
+def test_first_slot_branches_match_target_greedy(pair_and_references, block_size, branches):
+    """Ragged batches that also verify the draft's next most likely tokens for
+    the first drafted slot: still the target's greedy output, and alternates
+    really get committed (a tree block: each sees only the anchor)."""
+    (target, draft), references = pair_and_references
+    config = DecodeConfig(block_size=block_size, max_new_tokens=NEW_TOKENS, branches=branches)
+    for start in range(0, len(PROMPTS), 6):
+        result = spec_generate(target, draft, PROMPTS[start : start + 6], config)
+        assert result.tokens == references[start : start + 6]
+    assert sum(r.branches_taken for r in result.rounds) > 0
+
+
+def test_rows_with_penalties_never_branch(qwen_pair):
+    """An alternate's prefix differs from the chain's, so a penalised row would
+    need its own adjusted distribution: rounds with such a row in the batch
+    verify the chain alone, and the output is the chain's."""
+    target, draft = qwen_pair
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams()]
+    chain = spec_generate(target, draft, PROMPTS[:2], DecodeConfig(block_size=4, max_new_tokens=NEW_TOKENS), params)
+    branched = spec_generate(
+        target, draft, PROMPTS[:2], DecodeConfig(block_size=4, max_new_tokens=NEW_TOKENS, branches=4), params
+    )
+    assert branched.tokens == chain.tokens
+    # Once the penalised row has finished, the other one alone may branch.
+    together = [r for r in branched.rounds if r.batch_size == 2]
+    assert together and all(r.branches_taken == 0 for r in together)
+
+
+def test_verify_greedy_branches_takes_an_alternate_only_when_the_chain_fails():
+    vocab, block_size = 10, 3
+    drafts = torch.tensor([[4, 5], [4, 5], [4, 5]])  # chain drafts at slots 1, 2
+    alternates = torch.tensor([[6, 7], [6, 7], [6, 7]])  # slots 3, 4: other candidates for slot 1
+    # Target argmax per slot: row 0 accepts the chain (4, 5, bonus 9); row 1 rejects 4 but its
+    # token after the anchor is the alternate 7, whose own slot says 8; row 2 matches nothing.
+    argmax = torch.tensor([[4, 5, 9, 1, 1], [7, 2, 2, 3, 8], [2, 2, 2, 3, 3]])
+    logits = torch.nn.functional.one_hot(argmax, vocab).float()
+    verdict = verify_greedy_branches(drafts, alternates, logits)
+    assert verdict.num_accepted.tolist() == [2, 1, 0]
+    assert verdict.next_token.tolist() == [9, 8, 2]
+    assert verdict.branch.tolist() == [-1, 1, -1]
+    kept = verdict.kept_slots(block_size, alternates.shape[1])
+    assert kept.int().tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 0, 0]]

@@ -184,9 +184,9 @@ def test_reduced_draft_vocabulary_keeps_sampling_exact(reduced_draft, warp, monk
     original = session.DecodeSession._propose
 
     def spy(self, positions):
-        drafts, q = original(self, positions)
+        drafts, q, alternates = original(self, positions)
         proposals.append((drafts.flatten(), q))
-        return drafts, q
+        return drafts, q, alternates
 
     monkeypatch.setattr(session.DecodeSession, "_propose", spy)
     counts, tau = spec_joint_counts(target, draft, params, "sample")

@@ -65,7 +65,9 @@ class NativeEngineConfig:
     under any blocks; a sampled row's draws are not, so a batch with one runs no
     reference step and every request decodes what it decodes alone; 0: never.
     ``threads``: intra-op threads of the scheduler thread's torch ops (0: leave
-    torch's setting; ``decode_threads`` picks the service's default)."""
+    torch's setting; ``decode_threads`` picks the service's default).
+    ``branches``: candidates verified for the first drafted slot
+    (``DecodeSession``; 1: the draft's chain alone)."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -74,10 +76,14 @@ class NativeEngineConfig:
     proposal: Proposal = "argmax"
     plain_reference_every: int = 64
     threads: int = 0
+    branches: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or min(self.max_waiting, self.plain_reference_every, self.threads) < 0:
-            raise ValueError("max_batch_size must be >= 1, max_waiting, plain_reference_every and threads >= 0")
+        counts = self.max_waiting, self.plain_reference_every, self.threads
+        if min(self.max_batch_size, self.branches) < 1 or min(counts) < 0:
+            raise ValueError(
+                "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every and threads >= 0"
+            )
 
 
 def decode_threads(requested: int, cpus: int) -> int:
@@ -133,7 +139,9 @@ class NativeEngine:
         on_step: collections.abc.Callable[[RoundStats, float, int], None] | None = None,
     ) -> None:
         config = config or NativeEngineConfig()
-        self.session = DecodeSession(target, draft, proposal=config.proposal, compact_slack=config.compact_slack)
+        self.session = DecodeSession(
+            target, draft, proposal=config.proposal, compact_slack=config.compact_slack, branches=config.branches
+        )
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.on_step = on_step
         self._policy = config.policy or BlockPolicy.fixed(self.session.max_block_size)
@@ -172,6 +180,7 @@ class NativeEngine:
             policy,
             plain_reference_every=settings.plain_reference_every,
             threads=threads,
+            branches=settings.branches,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.bench.datasets import DATASETS
 from speculative.bench.diagnose import diagnose, print_diagnosis
-from speculative.bench.run import BenchSettings, run_dflash, run_hf_generate
+from speculative.bench.run import BenchSettings, dflash_method, run_dflash, run_hf_generate
 from speculative.chat import stop_token_ids, user_prompt_ids
 from speculative.checkpoint import load_draft
 from speculative.precision import DTYPES, choose_dtype, cpu_features
@@ -25,6 +25,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the sweep; returns every row (outputs dropped) for the JSON line."""
     settings = BenchSettings(
         block_sizes=tuple(args.block_sizes),
+        branches=tuple(args.branches),
         batch_sizes=tuple(args.batch_sizes),
         temperatures=tuple(args.temperatures),
         max_new_tokens=args.max_new_tokens,
@@ -48,16 +49,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         ids = [x for x in ids if len(x) + settings.max_new_tokens + max(settings.block_sizes) <= target.context_length]
         for temperature in settings.temperatures:
             for batch in settings.batch_sizes:
-                runs = run_dflash(target, draft, ids, (1, *settings.block_sizes), batch, temperature, settings, stop)
-                base = runs[1]
+                methods = [(1, 1), *((b, k) for b in settings.block_sizes for k in settings.branches)]
+                runs = run_dflash(target, draft, ids, methods, batch, temperature, settings, stop)
+                base = runs[(1, 1)]
                 rows.append(_row(name, "target-only", base, base))
                 if args.diagnose and temperature == 0 and name not in diagnoses:
                     params = SamplingParams(repetition_penalty=settings.repetition_penalty)
                     diagnoses[name] = diagnose(target, draft, ids, base["outputs"], params)
-                for b in settings.block_sizes:
+                for method in methods[1:]:
                     if temperature == 0:
-                        runs[b]["lossless"] = runs[b]["outputs"] == base["outputs"]
-                    rows.append(_row(name, f"dflash b{b}", runs[b], base))
+                        runs[method]["lossless"] = runs[method]["outputs"] == base["outputs"]
+                    rows.append(_row(name, dflash_method(*method), runs[method], base))
             peers: dict[str, dict[str, object]] = {
                 "hf generate": {},
                 "hf prompt-lookup": {"prompt_lookup_num_tokens": 10},
@@ -65,8 +67,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             if assistant is not None:
                 peers["hf assisted"] = {"assistant_model": assistant}
             hf = run_hf_generate(target.model, ids, temperature, settings, stop, peers)
-            for method, result in hf.items():
-                rows.append(_row(name, method, result, hf["hf generate"], batch_size=1, temperature=temperature))
+            for peer, result in hf.items():
+                rows.append(_row(name, peer, result, hf["hf generate"], batch_size=1, temperature=temperature))
     for name, diagnosis in diagnoses.items():
         diagnosis["measured_tau"] = _measured_tau(rows, name, draft.block_size)
     machine = {
@@ -94,7 +96,7 @@ def _measured_tau(rows: list[dict[str, Any]], dataset: str, block_size: int) -> 
         r["tau"]
         for r in rows
         if r["dataset"] == dataset
-        and r["method"] == f"dflash b{block_size}"
+        and r["method"] == dflash_method(block_size)
         and r["temperature"] == 0
         and r["batch_size"] == 1
     ]
@@ -128,6 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"], choices=sorted(DATASETS))
     parser.add_argument("--limit", type=int, default=0, help="prompts per dataset (0: all)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument(
+        "--branches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="candidates verified for the first drafted slot, each block size with each (1: the chain alone)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-new-tokens", type=int, default=128)

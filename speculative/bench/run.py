@@ -25,10 +25,13 @@ K = TypeVar("K")
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What to sweep. Block size 1 (target-only) always runs as the baseline.
-    ``repetition_penalty`` (1: off) applies to every method alike."""
+    """What to sweep. Block size 1 (target-only) always runs as the baseline;
+    every block size runs with each of ``branches`` (candidates verified for
+    the first drafted slot, ``DecodeConfig.branches``). ``repetition_penalty``
+    (1: off) applies to every method alike."""
 
     block_sizes: tuple[int, ...] = (4, 8, 16)
+    branches: tuple[int, ...] = (1,)
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_new_tokens: int = 128
@@ -67,25 +70,34 @@ def interleave(methods: Mapping[K, Callable[[int], None]], count: int) -> dict[K
     return seconds
 
 
+def dflash_method(block_size: int, branches: int = 1) -> str:
+    """A DFlash row's name: "dflash b4", or "dflash b4 k3" with three first-slot candidates."""
+    return f"dflash b{block_size}" + (f" k{branches}" if branches > 1 else "")
+
+
 def run_dflash(
     target: TargetModel,
     draft: DFlashDraftModel | None,
     prompts: Sequence[list[int]],
-    block_sizes: Sequence[int],
+    methods: Sequence[tuple[int, int]],
     batch_size: int,
     temperature: float,
     settings: BenchSettings,
     stop_token_ids: tuple[int, ...],
-) -> dict[int, dict[str, Any]]:
-    """Decode every prompt (in batches) at each block size (1: target-only),
-    the block sizes taking turns batch by batch (``interleave``); returns
-    throughput and acceptance per block size."""
-    results = {b: GenerationResult(tokens=[], finish_reasons=[]) for b in block_sizes}
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Decode every prompt (in batches) with each method, a (block size,
+    branches) pair ((1, 1): target-only), the methods taking turns batch by
+    batch (``interleave``); returns throughput and acceptance per method."""
+    results = {m: GenerationResult(tokens=[], finish_reasons=[]) for m in methods}
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
-    def decode_at(block_size: int) -> Callable[[int], None]:
+    def decode_at(method: tuple[int, int]) -> Callable[[int], None]:
+        block_size, branches = method
         config = DecodeConfig(
-            block_size=block_size, max_new_tokens=settings.max_new_tokens, stop_token_ids=stop_token_ids
+            block_size=block_size,
+            max_new_tokens=settings.max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            branches=branches,
         )
 
         def decode_chunk(index: int) -> None:
@@ -95,23 +107,27 @@ def run_dflash(
                 for j in range(len(chunks[index]))
             ]
             result = spec_generate(target, draft if block_size > 1 else None, chunks[index], config, sampling)
-            results[block_size].tokens += result.tokens
-            results[block_size].rounds += result.rounds
+            results[method].tokens += result.tokens
+            results[method].rounds += result.rounds
 
         return decode_chunk
 
-    seconds = interleave({b: decode_at(b) for b in block_sizes}, len(chunks))
-    return {b: _dflash_summary(results[b], b, batch_size, temperature, seconds[b]) for b in block_sizes}
+    seconds = interleave({m: decode_at(m) for m in methods}, len(chunks))
+    return {m: _dflash_summary(results[m], m, batch_size, temperature, seconds[m]) for m in methods}
 
 
 def _dflash_summary(
-    merged: GenerationResult, block_size: int, batch_size: int, temperature: float, seconds: float
+    merged: GenerationResult, method: tuple[int, int], batch_size: int, temperature: float, seconds: float
 ) -> dict[str, Any]:
+    block_size, branches = method
     accepted = [sum(r.accepted_per_position[k] for r in merged.rounds) for k in range(block_size - 1)]
     verified = [sum(r.verified_per_position[k] for r in merged.rounds) for k in range(block_size - 1)]
     tokens = sum(len(t) for t in merged.tokens)
+    rows = sum(len(r.committed) for r in merged.rounds)
     return {
         "block_size": block_size,
+        "branches": branches,
+        "branch_share": sum(r.branches_taken for r in merged.rounds) / rows if rows else 0.0,
         "batch_size": batch_size,
         "temperature": temperature,
         "tokens": tokens,
