@@ -7,7 +7,7 @@ import pytest
 from builders import random_prompts, reference_greedy
 
 from speculative.sampling import SamplingParams
-from speculative.session import DecodeSession
+from speculative.session import DEFERRED_CONTEXT_LIMIT, DecodeSession
 
 NEW = 24
 
@@ -75,3 +75,26 @@ def test_session_rejects_bad_use(qwen_pair):
         DecodeSession(target).step(2)
     session.remove(["x", "unknown"])
     assert len(session) == 0
+
+
+def test_plain_rounds_project_the_draft_context_at_the_next_drafting_round(qwen_pair, monkeypatch):
+    """A plain round's draft context waits: the next drafting round projects
+    every waiting token in one call (then its own block), and a long plain
+    stretch projects once per DEFERRED_CONTEXT_LIMIT rounds."""
+    target, draft = qwen_pair
+    projected = []
+    context_kv = draft.context_kv
+    monkeypatch.setattr(draft, "context_kv", lambda f, p: projected.append(p.shape[1]) or context_kv(f, p))
+    session = DecodeSession(target, draft)
+    session.add(["a", "b"], random_prompts(2, seed=5, min_len=4, max_len=9), [SamplingParams()] * 2)
+    projected.clear()  # the prompts'
+    for _ in range(5):
+        session.step(1)
+    assert projected == []
+    session.step(4)
+    assert projected == [5, 4]
+    assert session.batch.draft_cache.layers[0].keys.shape[2] == session.batch.num_slots
+    projected.clear()
+    for _ in range(DEFERRED_CONTEXT_LIMIT + 1):
+        session.step(1)
+    assert projected == [DEFERRED_CONTEXT_LIMIT]
