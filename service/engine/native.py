@@ -174,6 +174,7 @@ class NativeEngine:
         policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
         threads = decode_threads(settings.threads, usable_cpus()) if settings.device == "cpu" else 0
         log.info("decode threads: %s", threads or "torch's default")
+        log.info("first-slot branches: %d", settings.branches if draft is not None else 1)
         config = NativeEngineConfig(
             settings.max_batch_size,
             settings.max_waiting,
