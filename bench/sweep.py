@@ -69,7 +69,7 @@ class Mode:
 def default_modes(block_size: int) -> list[str]:
     """Plain decoding, every power-of-two block up to the draft's trained
     ``block_size`` and that block itself, and the adaptive policy."""
-    blocks = sorted({b for b in (2, 4, 8, 16, 32) if b < block_size} | ({block_size} if block_size > 1 else set()))
+    blocks = [b for b in (2, 4, 8, 16, 32) if b < block_size] + ([block_size] if block_size > 1 else [])
     return ["fixed:1", *(f"fixed:{b}" for b in blocks), "adaptive"]
 
 

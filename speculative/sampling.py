@@ -72,6 +72,11 @@ class SamplingParams:
         """True when this row decodes greedily."""
         return self.temperature == 0
 
+    def suppressing(self, generated: int) -> bool:
+        """True while this row, having generated ``generated`` tokens, still
+        suppresses its stop tokens (``min_tokens``)."""
+        return bool(self.suppressed) and generated < self.min_tokens
+
 
 GREEDY = SamplingParams()
 
@@ -159,7 +164,7 @@ def suppress_early(logits: torch.Tensor, params: Sequence[SamplingParams], gener
     position j would be generated token ``generated[row] + j`` (0-based) and
     that is still below the row's ``min_tokens``."""
     pairs = enumerate(zip(params, generated, strict=True))
-    rows = [i for i, (p, done) in pairs if p.suppressed and done < p.min_tokens]
+    rows = [i for i, (p, done) in pairs if p.suppressing(done)]
     if not rows:
         return logits
     logits = logits.clone()

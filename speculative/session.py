@@ -360,10 +360,12 @@ class DecodeSession:
         every row is greedy without penalties or early-stop suppression: an
         alternate's exact prefix differs from the chain's, and then no row's
         distribution depends on its prefix beyond what the target computes."""
+        none = first_drafts.new_empty(len(first_drafts), 0)
+        if self.branches == 1:
+            return none
         rows = zip(self.rows.params, self.rows.generated, strict=True)
-        plain_greedy = all(p.greedy and not p.penalized and not (p.suppressed and n < p.min_tokens) for p, n in rows)
-        if self.branches == 1 or not plain_greedy:
-            return first_drafts.new_empty(len(first_drafts), 0)
+        if not all(p.greedy and not p.penalized and not p.suppressing(n) for p, n in rows):
+            return none
         others = first_logits.scatter(-1, first_drafts[:, None], float("-inf"))
         return others.topk(self.branches - 1, dim=-1).indices
 
@@ -442,7 +444,7 @@ def _sample_first(
 
 
 def _round_stats(
-    num_accepted: list[int], b: int, draft_seconds: float, verify_seconds: float, branches_taken: int = 0
+    num_accepted: list[int], b: int, draft_seconds: float, verify_seconds: float, branches_taken: int
 ) -> RoundStats:
     return RoundStats(
         batch_size=len(num_accepted),
