@@ -43,6 +43,12 @@ class ServeSettings(BaseSettings):
         description="native engine: the draft's most likely tokens for the first drafted slot verified in one block "
         "(greedy requests without penalties); 1: the draft's chain alone",
     )
+    lookup: int = Field(
+        default=8,
+        ge=0,
+        description="native engine: n-gram lookup tokens copied from the request's own text, verified beside the "
+        "draft in one block (greedy requests without penalties); 0: none",
+    )
     drain_timeout_s: float = Field(default=60.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
     admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")
     controller: bool = Field(default=True, description="adapt the block size to load in-process")

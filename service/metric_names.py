@@ -18,6 +18,7 @@ ACCEPTED_TOKENS = "dflash_accepted_tokens"
 ACCEPTED_PER_POSITION = "dflash_accepted_tokens_per_position"
 VERIFIED_PER_POSITION = "dflash_verified_tokens_per_position"
 BRANCH_ACCEPTED_TOKENS = "dflash_branch_accepted_tokens"
+LOOKUP_ACCEPTED_TOKENS = "dflash_lookup_accepted_tokens"
 STEP_SECONDS = "dflash_step_seconds"
 BLOCK_SIZE = "dflash_block_size"
 # What serving steps delivered, and plain decoding's rate to compare with (the achieved speedup).
@@ -51,6 +52,7 @@ METRIC_NAMES = frozenset(
         ACCEPTED_PER_POSITION,
         VERIFIED_PER_POSITION,
         BRANCH_ACCEPTED_TOKENS,
+        LOOKUP_ACCEPTED_TOKENS,
         STEP_SECONDS,
         BLOCK_SIZE,
         SERVED_STEP_SECONDS,

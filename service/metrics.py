@@ -3,7 +3,8 @@ fed from engine ``RoundStats`` and request timings. Only raw counters,
 histograms and gauges are exported; rates and ratios are derived in PromQL
 (the dashboards use exactly these):
 
-Mean acceptance length (tokens committed per verify round and request; add
+Mean acceptance length (tokens committed per verify round and request: the
+draft's accepted tokens and n-gram lookup's beyond them, plus the bonus; add
 ``by (block_size)`` to every sum for one curve per block size):
     (sum(rate(dflash_accepted_tokens_total[1m])) + sum(rate(dflash_verify_rows_total[1m])))
       / sum(rate(dflash_verify_rows_total[1m]))
@@ -11,8 +12,11 @@ Survival / acceptance at draft position k (correct when b changes, because
 only rows that verified a draft at position k count in the denominator):
     rate(dflash_accepted_tokens_per_position_total{position="k"}[5m])
       / rate(dflash_verified_tokens_per_position_total{position="k"}[5m])
-Draft acceptance rate:
-    sum(rate(dflash_accepted_tokens_total[5m])) / sum(rate(dflash_draft_tokens_total[5m]))
+Draft acceptance rate (the draft's own slots; lookup paths are not drafts):
+    sum(rate(dflash_accepted_tokens_per_position_total[5m]))
+      / sum(rate(dflash_verified_tokens_per_position_total[5m]))
+Share of accepted tokens that n-gram lookup added (``--lookup``):
+    sum(rate(dflash_lookup_accepted_tokens_total[5m])) / sum(rate(dflash_accepted_tokens_total[5m]))
 Achieved speedup over plain decoding per batch bucket (``ACHIEVED_SPEEDUP``
 below): tokens output per second of serving step time, at whatever blocks
 ran, over plain decoding's tokens per second at the same bucket. A plain step
@@ -182,7 +186,12 @@ class Metrics:
             names.VERIFY_ROWS, "Row-rounds verified (requests x steps)", ["block_size"], registry=r
         )
         self.draft_tokens = Counter(names.DRAFT_TOKENS, "Drafted tokens verified", ["block_size"], registry=r)
-        self.accepted_tokens = Counter(names.ACCEPTED_TOKENS, "Drafted tokens accepted", ["block_size"], registry=r)
+        self.accepted_tokens = Counter(
+            names.ACCEPTED_TOKENS,
+            "Tokens accepted after the anchor: the draft's, and n-gram lookup's beyond them",
+            ["block_size"],
+            registry=r,
+        )
         self.accepted_per_position = Counter(
             names.ACCEPTED_PER_POSITION, "Drafts accepted at block position", ["position"], registry=r
         )
@@ -192,6 +201,13 @@ class Metrics:
         self.branch_accepted_tokens = Counter(
             names.BRANCH_ACCEPTED_TOKENS,
             "First-slot alternates accepted in place of the chain's first draft (--branches; also in accepted tokens)",
+            ["block_size"],
+            registry=r,
+        )
+        self.lookup_accepted_tokens = Counter(
+            names.LOOKUP_ACCEPTED_TOKENS,
+            "Tokens an n-gram lookup path committed beyond what the draft's slots accepted (--lookup; also in "
+            "accepted tokens)",
             ["block_size"],
             registry=r,
         )
@@ -236,10 +252,16 @@ class Metrics:
                 for counter in (self.served_seconds, self.served_rows, self.output_tokens):
                     counter.labels(str(b), bucket)
 
-    def controller_inputs(self) -> tuple[Histogram, Counter, Counter]:
+    def controller_inputs(self) -> tuple[Histogram | Counter, ...]:
         """The metrics the block-size controller reads (step time per cell,
-        acceptance per position)."""
-        return self.step_seconds, self.accepted_per_position, self.verified_per_position
+        acceptance per position, lookup's tokens and the row-rounds they came from)."""
+        return (
+            self.step_seconds,
+            self.accepted_per_position,
+            self.verified_per_position,
+            self.lookup_accepted_tokens,
+            self.verify_rows,
+        )
 
     def observe_step(self, stats: RoundStats, seconds: float, output_tokens: int | None = None) -> None:
         """Account one engine step (called on the scheduler thread); its rows
@@ -251,7 +273,7 @@ class Metrics:
         ``stats`` (per-position counts) and ``seconds`` (engines that report
         aggregates, e.g. SGLang's schedulers; each step is observed at the mean
         time, so the histogram's sum and count are exact). Without
-        ``output_tokens``: every row's accepted drafts and bonus token (what it
+        ``output_tokens``: every row's accepted tokens and bonus token (what it
         committed; a request's last round may commit a few past its end)."""
         b = str(stats.block_size)
         bucket = batch_bucket(stats.batch_size)
@@ -262,13 +284,14 @@ class Metrics:
         self.served_seconds.labels(b, bucket).inc(seconds)
         self.served_rows.labels(b, bucket).inc(stats.batch_size * steps)
         if output_tokens is None:
-            output_tokens = sum(stats.accepted_per_position) + stats.batch_size * steps
+            output_tokens = sum(stats.accepted_per_position) + stats.lookup_accepted + stats.batch_size * steps
         self.output_tokens.labels(b, bucket).inc(output_tokens)
         self.block_size.set(stats.block_size)
         if stats.block_size > 1:
             self.draft_tokens.labels(b).inc(sum(stats.verified_per_position))
-            self.accepted_tokens.labels(b).inc(sum(stats.accepted_per_position))
+            self.accepted_tokens.labels(b).inc(sum(stats.accepted_per_position) + stats.lookup_accepted)
             self.branch_accepted_tokens.labels(b).inc(stats.branches_taken)
+            self.lookup_accepted_tokens.labels(b).inc(stats.lookup_accepted)
             for k, (accepted, verified) in enumerate(
                 zip(stats.accepted_per_position, stats.verified_per_position, strict=True), start=1
             ):

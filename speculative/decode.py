@@ -37,6 +37,8 @@ class DecodeConfig:
     compact_slack: compact the caches once this many slots per row are wasted.
     branches: candidates verified for the first drafted slot (the draft's most
         likely tokens; 1: the chain alone). Greedy rows without penalties only.
+    lookup: n-gram lookup tokens verified beside the draft (0: none;
+        ``speculative.lookup``). Greedy rows without penalties only.
     """
 
     block_size: int = 16
@@ -45,6 +47,7 @@ class DecodeConfig:
     proposal: Proposal = "argmax"
     compact_slack: int = DEFAULT_COMPACT_SLACK
     branches: int = 1
+    lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -55,8 +58,8 @@ class DecodeConfig:
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {self.proposal!r}")
         if self.compact_slack < 0:
             raise ValueError(f"compact_slack must be >= 0, got {self.compact_slack}")
-        if self.branches < 1:
-            raise ValueError(f"branches must be >= 1, got {self.branches}")
+        if self.branches < 1 or self.lookup < 0:
+            raise ValueError(f"branches must be >= 1 and lookup >= 0, got {self.branches} and {self.lookup}")
 
 
 @dataclass
@@ -99,6 +102,7 @@ def spec_generate(
         proposal=config.proposal,
         compact_slack=config.compact_slack,
         branches=config.branches,
+        lookup=config.lookup,
     )
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)

@@ -42,15 +42,3 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.unsqueeze(1)
-
-
-def tree_visibility(block_size: int, num_alternates: int, device: torch.device) -> torch.Tensor:
-    """[q, q] bool over a verify block of q = ``block_size + num_alternates``
-    tokens: the chain (slots 0..b-1, each sees those before it) and the
-    alternates for its first drafted slot (slots b.., each sees the anchor at
-    slot 0 and itself only, as if it stood at slot 1 alone)."""
-    q = block_size + num_alternates
-    visible = torch.ones(q, q, dtype=torch.bool, device=device).tril()
-    visible[block_size:, 1:block_size] = False
-    visible[block_size:, block_size:] = torch.eye(num_alternates, dtype=torch.bool, device=device)
-    return visible

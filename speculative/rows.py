@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.lookup import NgramIndex
 from speculative.penalties import TokenHistory
 from speculative.sampling import SamplingParams
 
@@ -15,7 +16,8 @@ from speculative.sampling import SamplingParams
 @dataclass
 class Rows:
     """Per-row state in batch order: caller's key, current anchor, sampling,
-    and the token history the repetition penalties read."""
+    the token history the repetition penalties read, and the n-gram index
+    lookup proposes from (None where the session does not look up)."""
 
     keys: list[Hashable]
     anchors: torch.Tensor
@@ -23,6 +25,7 @@ class Rows:
     generators: list[torch.Generator]
     history: TokenHistory
     generated: list[int]  # tokens each row has emitted (what min_tokens counts)
+    ngrams: list[NgramIndex | None]
 
     def select(self, index: list[int]) -> None:
         rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
@@ -31,6 +34,7 @@ class Rows:
         self.params = [self.params[i] for i in index]
         self.generators = [self.generators[i] for i in index]
         self.generated = [self.generated[i] for i in index]
+        self.ngrams = [self.ngrams[i] for i in index]
         self.history.select(rows)
 
     def subset(self, index: list[int]) -> Rows:
@@ -42,7 +46,8 @@ class Rows:
         params = [self.params[i] for i in index]
         generators = [self.generators[i] for i in index]
         generated = [self.generated[i] for i in index]
-        return Rows(keys, self.anchors[rows], params, generators, history, generated)
+        ngrams = [self.ngrams[i] for i in index]
+        return Rows(keys, self.anchors[rows], params, generators, history, generated, ngrams)
 
     def extend(self, other: Rows) -> None:
         self.keys += other.keys
@@ -50,4 +55,5 @@ class Rows:
         self.params += other.params
         self.generators += other.generators
         self.generated += other.generated
+        self.ngrams += other.ngrams
         self.history.extend(other.history)

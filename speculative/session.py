@@ -13,6 +13,11 @@ every row at once:
            block's slots are masked out; the correction/bonus token becomes the next
            anchor (it enters the caches when it is verified next round).
 
+Greedy rounds may verify more than the chain in the same forward, as a tree of
+paths from the anchor (``speculative.tree``): the draft's runner-up tokens for
+the first slot (``branches``) and an n-gram lookup continuation (``lookup``,
+``speculative.lookup``); the row commits the path the target accepts furthest.
+
 ``b = 1`` is plain decoding; the draft's context still grows in such rounds, so
 speculation can resume at any later round.
 """
@@ -29,7 +34,7 @@ import torch
 
 from speculative.batch import RaggedBatch, append_draft_context, draft_context
 from speculative.draft import DFlashDraftModel
-from speculative.masks import tree_visibility
+from speculative.lookup import NgramIndex
 from speculative.penalties import TokenHistory, penalize
 from speculative.rows import Rows
 from speculative.sampling import (
@@ -42,7 +47,8 @@ from speculative.sampling import (
     suppress_early,
 )
 from speculative.target import TargetModel
-from speculative.verify import Verdict, verify_greedy, verify_greedy_branches, verify_sampled
+from speculative.tree import DraftTree
+from speculative.verify import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
 
 Proposal = Literal["argmax", "sample"]  # how a draft slot's token is chosen: the draft's argmax, or sampled
 DEFAULT_COMPACT_SLACK = 64  # wasted cache slots per row that trigger a compaction
@@ -54,8 +60,9 @@ DEFERRED_CONTEXT_LIMIT = 64
 class RoundStats:
     """One propose/verify round over the batch.
 
-    committed: tokens each row committed this round (accepted drafts + 1), i.e. tau.
-    accepted_per_position[k]: rows whose draft at block slot k+1 was accepted.
+    committed: tokens each row committed this round (accepted tokens + 1), i.e. tau.
+    accepted_per_position[k]: rows whose draft at block slot k+1 was accepted
+        (the draft's own slots: a longer lookup path does not count here).
     verified_per_position[k]: rows that had a draft at block slot k+1 verified.
     """
 
@@ -68,6 +75,8 @@ class RoundStats:
     verify_seconds: float
     branches_taken: int = 0
     """Rows that committed a first-slot alternate instead of their chain."""
+    lookup_accepted: int = 0
+    """Tokens committed beyond what the draft's slots accepted, by rows whose lookup path went further."""
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -106,18 +115,21 @@ class DecodeSession:
         compact_slack: int = DEFAULT_COMPACT_SLACK,
         in_place_cache: bool = True,
         branches: int = 1,
+        lookup: int = 0,
     ) -> None:
         """``branches``: candidates verified for the first drafted slot, the
-        draft's most likely tokens there (1: the chain alone; see ``_alternates``)."""
+        draft's most likely tokens there (1: the chain alone; see ``_alternates``).
+        ``lookup``: n-gram lookup tokens verified beside the draft (0: none; see ``_lookup``)."""
         if proposal not in get_args(Proposal):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
-        if branches < 1:
-            raise ValueError(f"branches must be >= 1, got {branches}")
+        if branches < 1 or lookup < 0:
+            raise ValueError(f"branches must be >= 1 and lookup >= 0, got {branches} and {lookup}")
         if draft is not None:
             check_pair(target, draft)
         self.feature_layers = draft.config.target_layer_ids if draft is not None else ()
         self.target, self.draft = target, draft
-        self.proposal, self.compact_slack, self.branches = proposal, compact_slack, branches
+        self.proposal, self.compact_slack = proposal, compact_slack
+        self.branches, self.lookup = branches, lookup if draft is not None else 0
         # Appending in place made batch-48 CPU decode steps 5x cheaper than transformers'
         # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
@@ -130,6 +142,7 @@ class DecodeSession:
             [],
             [],
             TokenHistory.from_prompts([], target.vocab_size, target.device),
+            [],
             [],
         )
         self.prefill_seconds = 0.0
@@ -174,7 +187,8 @@ class DecodeSession:
         last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
         first = _sample_first(last_logits, list(sampling), generators)
         history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
-        rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys))
+        ngrams = [NgramIndex([*p, t]) if self.lookup else None for p, t in zip(prompts, first.tolist(), strict=True)]
+        rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys), ngrams)
         if self.batch is None:
             self.batch = batch
         else:
@@ -210,6 +224,7 @@ class DecodeSession:
             compact_slack=self.compact_slack,
             in_place_cache=self.in_place_cache,
             branches=self.branches,
+            lookup=self.lookup,
         )
         if index:
             part.batch = copy.deepcopy(self._batch())
@@ -262,48 +277,43 @@ class DecodeSession:
 
     def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         batch, device = self._batch(), self.target.device
-        positions = batch.lengths[:, None] + torch.arange(block_size, device=device)
+        start = batch.lengths[:, None]  # the anchor's position
+        tree_round = block_size > 1 and self._may_branch()
         t0 = _clock(device)
-        drafts, draft_probs, alternates = self._propose(positions)
+        drafts, draft_probs, alternates = self._propose(start + torch.arange(block_size, device=device), tree_round)
+        lookup, lookup_valid = self._lookup(start, tree_round)
         t1 = _clock(device)
-        block = torch.cat([self.rows.anchors[:, None], drafts, alternates], dim=1)
-        visible = None
-        if alternates.shape[1]:
-            # Alternates stand at the first drafted slot's position and see only the anchor.
-            positions = torch.cat([positions, positions[:, 1:2].expand(-1, alternates.shape[1])], dim=1)
-            visible = tree_visibility(block_size, alternates.shape[1], device)
+        tree = DraftTree.build(block_size, alternates.shape[1], lookup.shape[1])
+        block = torch.cat([self.rows.anchors[:, None], drafts, alternates, lookup], dim=1)
+        # A slot stands at the anchor's position plus its depth and sees only its own path.
+        positions = start + tree.depths(device)
         verified = self.target.forward(
             block,
             positions,
             batch.target_cache,
             batch.slot_positions,
             feature_layers=self.feature_layers,
-            block_visible=visible,
+            block_visible=tree.visibility(device) if tree.width > block_size else None,
         )
-        verdict = self._accept(drafts, draft_probs, alternates, verified.logits)
-        self._commit(verdict, positions, verified.features, block_size)
+        verdict = self._accept(block, tree, lookup_valid, draft_probs, verified.logits)
+        kept = verdict.kept_slots(tree.width)
+        self._commit(kept, positions, verified.features, block_size)
         t2 = _clock(device)
 
-        num_accepted = verdict.num_accepted.tolist()
-        branches_taken = 0
-        if verdict.branch is not None:
-            # A row that took an alternate committed it in place of its first draft.
-            taken = verdict.branch >= 0
-            branches_taken = int(taken.sum())
-            if branches_taken:
-                drafts = drafts.clone()
-                drafts[taken, 0] = alternates[taken, verdict.branch[taken]]
         emitted = {
-            key: [*d[:n], t]
-            for key, d, n, t in zip(
-                self.rows.keys, drafts.tolist(), num_accepted, verdict.next_token.tolist(), strict=True
+            key: [*(t for t, k in zip(row[1:], keep[1:], strict=True) if k), following]
+            for key, row, keep, following in zip(
+                self.rows.keys, block.tolist(), kept.tolist(), verdict.next_token.tolist(), strict=True
             )
         }
         self.rows.anchors = verdict.next_token
         params = self.rows.params
         self.rows.history.add([t if p.penalized else () for t, p in zip(emitted.values(), params, strict=True)])
         self.rows.generated = [n + len(t) for n, t in zip(self.rows.generated, emitted.values(), strict=True)]
-        return _round_stats(num_accepted, block_size, t1 - t0, t2 - t1, branches_taken), emitted
+        for index, tokens in zip(self.rows.ngrams, emitted.values(), strict=True):
+            if index is not None:
+                index.extend(tokens)
+        return _round_stats(verdict, tree, t1 - t0, t2 - t1), emitted
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
         """Run the target over the left-padded prompts, fill both caches; returns
@@ -328,10 +338,12 @@ class DecodeSession:
         batch.commit(positions)
         return batch, out.logits[:, -1]
 
-    def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _propose(
+        self, positions: torch.Tensor, tree_round: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1],
-        for sampled proposals their distributions q [B, b-1, V], and the
-        alternates for the first drafted slot [B, m] (``_alternates``)."""
+        for sampled proposals their distributions q [B, b-1, V], and, in a
+        ``tree_round``, the alternates for the first drafted slot [B, m] (``_alternates``)."""
         anchors = self.rows.anchors
         none = anchors.new_empty(len(anchors), 0)
         if positions.shape[1] == 1:
@@ -349,25 +361,40 @@ class DecodeSession:
         logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
         if self.proposal == "argmax":
             drafts = greedy_tokens(logits)
-            return drafts, None, self._alternates(logits[:, 0], drafts[:, 0])
+            return drafts, None, self._alternates(logits[:, 0], drafts[:, 0]) if tree_round else none
         q = probabilities(logits, self.rows.params)
         return sample_positions(q, self.rows.generators), q, none
+
+    def _may_branch(self) -> bool:
+        """Whether a round may verify a tree (alternates, lookup) rather than the
+        chain alone: every row greedy without penalties or early-stop suppression.
+        A candidate path's exact prefix differs from the chain's, and then no
+        row's distribution depends on its prefix beyond what the target computes."""
+        if self.branches == 1 and not self.lookup:
+            return False
+        rows = zip(self.rows.params, self.rows.generated, strict=True)
+        return self.proposal == "argmax" and all(p.greedy and not p.penalized and not p.suppressing(n) for p, n in rows)
 
     def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
         """The draft's next ``branches - 1`` most likely tokens for the first
         drafted slot after its draft ``first_drafts`` [B] (from ``first_logits``
-        [B, V]), verified beside the chain [B, m]. A round gets them only when
-        every row is greedy without penalties or early-stop suppression: an
-        alternate's exact prefix differs from the chain's, and then no row's
-        distribution depends on its prefix beyond what the target computes."""
-        none = first_drafts.new_empty(len(first_drafts), 0)
-        if self.branches == 1:
-            return none
-        rows = zip(self.rows.params, self.rows.generated, strict=True)
-        if not all(p.greedy and not p.penalized and not p.suppressing(n) for p, n in rows):
-            return none
+        [B, V]), verified beside the chain [B, m]."""
         others = first_logits.scatter(-1, first_drafts[:, None], float("-inf"))
         return others.topk(self.branches - 1, dim=-1).indices
+
+    def _lookup(self, start: torch.Tensor, tree_round: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's n-gram lookup continuation [B, L] (``NgramIndex.propose``)
+        and which of its slots the row filled [B, L]; L is the longest
+        continuation found, 0 in a round without a tree or without any match.
+        Slots past the model's context never count."""
+        found = [index.propose(self.lookup) if tree_round and index is not None else [] for index in self.rows.ngrams]
+        width = max(map(len, found), default=0)
+        if not width:
+            return start.new_empty(len(found), 0), start.new_empty(len(found), 0, dtype=torch.bool)
+        device = self.target.device
+        tokens = torch.tensor([[*f, *[0] * (width - len(f))] for f in found], device=device)
+        valid = torch.tensor([[j < len(f) for j in range(width)] for f in found], device=device)
+        return tokens, valid & (start + 1 + torch.arange(width, device=device) < self.target.context_length)
 
     def _adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """The rows' penalties and early stop suppression on block logits [B, n, V]:
@@ -377,14 +404,17 @@ class DecodeSession:
 
     def _accept(
         self,
-        drafts: torch.Tensor,
+        block: torch.Tensor,
+        tree: DraftTree,
+        lookup_valid: torch.Tensor,
         draft_probs: torch.Tensor | None,
-        alternates: torch.Tensor,
         target_logits: torch.Tensor,
     ) -> Verdict:
-        if alternates.shape[1]:
-            # Only rows with nothing to adjust get alternates (``_alternates``).
-            return verify_greedy_branches(drafts, alternates, target_logits)
+        if tree.width > tree.chain:
+            # Only rounds whose rows have nothing to adjust get a tree (``_may_branch``).
+            draft_slots = lookup_valid.new_ones(len(block), tree.lookup_start)
+            return verify_greedy_tree(block, torch.cat([draft_slots, lookup_valid], dim=1), tree, target_logits)
+        drafts = block[:, 1:]
         params = self.rows.params
         # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
         target_logits = self._adjusted(target_logits, drafts)
@@ -393,11 +423,11 @@ class DecodeSession:
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)
 
     def _commit(
-        self, verdict: Verdict, positions: torch.Tensor, features: torch.Tensor | None, block_size: int
+        self, kept: torch.Tensor, positions: torch.Tensor, features: torch.Tensor | None, block_size: int
     ) -> None:
-        """Keep the anchor and the accepted drafts (or alternate) of the appended block in both caches."""
+        """Keep the ``kept`` slots [B, q] of the appended block (the anchor and the accepted path) in both caches."""
         batch = self._batch()
-        batch.commit(torch.where(verdict.kept_slots(block_size, positions.shape[1] - block_size), positions, -1))
+        batch.commit(torch.where(kept, positions, -1))
         if self.draft is None:
             return
         if block_size == 1:
@@ -443,18 +473,23 @@ def _sample_first(
     return sample_rows(probabilities(logits[:, None], params)[:, 0], generators)
 
 
-def _round_stats(
-    num_accepted: list[int], b: int, draft_seconds: float, verify_seconds: float, branches_taken: int
-) -> RoundStats:
+def _round_stats(verdict: Verdict, tree: DraftTree, draft_seconds: float, verify_seconds: float) -> RoundStats:
+    committed = verdict.num_accepted
+    by_draft = committed if verdict.draft_accepted is None else verdict.draft_accepted
+    branches_taken = 0
+    if verdict.path_end is not None:
+        branches_taken = int(((verdict.path_end >= tree.chain) & (verdict.path_end < tree.lookup_start)).sum())
+    accepted = by_draft.tolist()
     return RoundStats(
-        batch_size=len(num_accepted),
-        block_size=b,
-        committed=[n + 1 for n in num_accepted],
-        accepted_per_position=[sum(n > k for n in num_accepted) for k in range(b - 1)],
-        verified_per_position=[len(num_accepted)] * (b - 1),
+        batch_size=len(accepted),
+        block_size=tree.chain,
+        committed=[n + 1 for n in committed.tolist()],
+        accepted_per_position=[sum(n > k for n in accepted) for k in range(tree.chain - 1)],
+        verified_per_position=[len(accepted)] * (tree.chain - 1),
         draft_seconds=draft_seconds,
         verify_seconds=verify_seconds,
         branches_taken=branches_taken,
+        lookup_accepted=int((committed - by_draft).sum()),
     )
 
 

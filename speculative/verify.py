@@ -17,27 +17,30 @@ from dataclasses import dataclass
 import torch
 
 from speculative.sampling import greedy_tokens, sample_rows, uniform_rows
+from speculative.tree import DraftTree
 
 
 @dataclass
 class Verdict:
-    """Per row: drafts accepted [B] and the token that follows them [B];
-    ``branch`` [B]: which first-slot alternate was accepted instead of the
-    chain (-1: none; None: the round had no alternates)."""
+    """Per row: tokens accepted after the anchor [B] and the token that follows
+    them [B]. A tree round (``verify_greedy_tree``) also gives ``kept`` [B, q],
+    the block slots of the accepted path (the anchor first), ``path_end`` [B],
+    its last slot, and ``draft_accepted`` [B], what the draft's own slots (chain
+    and alternates) accepted, to tell the draft's acceptance from lookup's."""
 
     num_accepted: torch.Tensor
     next_token: torch.Tensor
-    branch: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+    path_end: torch.Tensor | None = None
+    draft_accepted: torch.Tensor | None = None
 
-    def kept_slots(self, block_size: int, num_alternates: int) -> torch.Tensor:
-        """[B, block_size + num_alternates] bool: the block slots each row commits
-        (the anchor, then its accepted chain drafts or its accepted alternate)."""
-        slots = torch.arange(block_size + num_alternates, device=self.num_accepted.device)
-        chain = (slots[None, :] <= self.num_accepted[:, None]) & (slots[None, :] < block_size)
-        if self.branch is None:
-            return chain
-        branch = self.branch[:, None]
-        return torch.where(branch >= 0, (slots[None, :] == 0) | (slots[None, :] == block_size + branch), chain)
+    def kept_slots(self, width: int) -> torch.Tensor:
+        """[B, width] bool: the block slots each row commits (a chain round: the
+        anchor and its accepted drafts)."""
+        if self.kept is not None:
+            return self.kept
+        slots = torch.arange(width, device=self.num_accepted.device)
+        return slots[None, :] <= self.num_accepted[:, None]
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -58,26 +61,35 @@ def _greedy_chain(drafts: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
     return Verdict(num_accepted=num_accepted, next_token=next_token)
 
 
-def verify_greedy_branches(drafts: torch.Tensor, alternates: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """Greedy over a tree: the chain ``drafts`` [B, b-1] at block slots 1..b-1,
-    plus ``alternates`` [B, m], other candidates for slot 1 at slots b..b+m-1,
-    each seeing only the anchor (``target_logits`` [B, b+m, V]). The chain is
-    judged as ``verify_greedy``; when its first draft fails and an alternate
-    is the target's token after the anchor, that alternate is accepted and the
-    target's token after it (its own slot's argmax) follows. Exact: every
-    committed token is the target's argmax after its exact prefix."""
-    block_size = drafts.shape[1] + 1
+def verify_greedy_tree(
+    block: torch.Tensor, valid: torch.Tensor | None, tree: DraftTree, target_logits: torch.Tensor
+) -> Verdict:
+    """Greedy over a tree of candidate paths (``speculative.tree``): ``block``
+    [B, q] holds the anchor and every candidate, ``target_logits`` [B, q, V]
+    the target's scores after each slot's path, ``valid`` [B, q] (None: all)
+    marks the slots a row really filled. A slot passes when its token is the
+    target's argmax after its parent; a path is accepted up to its first slot
+    that does not pass, and the row commits the deepest accepted slot's path
+    (on ties the first slot: the chain's) with the target's token after it.
+    Exact: every committed token is the target's argmax after its exact prefix,
+    the path the target scored it on."""
+    device = block.device
     target_tokens = greedy_tokens(target_logits)
-    chain = _greedy_chain(drafts, target_tokens)
-    # Alternates differ from the chain's first draft, so at most one of the two can match.
-    hit = alternates == target_tokens[:, :1]
-    taken = (chain.num_accepted == 0) & hit.any(dim=1)
-    branch = torch.where(taken, hit.to(torch.int8).argmax(dim=1), -1)
-    after_branch = target_tokens.gather(1, (block_size + branch.clamp(min=0))[:, None]).squeeze(1)
+    passed = block == target_tokens[:, tree.parent_index(device)]
+    passed[:, 0] = True
+    if valid is not None:
+        passed &= valid
+    # A slot is accepted when no slot on its path failed: count failed ancestors with one matmul.
+    ancestry = tree.visibility(device)
+    failed_on_path = (~passed).to(torch.float32) @ ancestry.T.to(torch.float32)
+    depth = torch.where(failed_on_path == 0, tree.depths(device), -1)
+    path_end = depth.argmax(dim=1)  # the first of the deepest: the chain wins ties
     return Verdict(
-        num_accepted=torch.where(taken, 1, chain.num_accepted),
-        next_token=torch.where(taken, after_branch, chain.next_token),
-        branch=branch,
+        num_accepted=depth.gather(1, path_end[:, None]).squeeze(1),
+        next_token=target_tokens.gather(1, path_end[:, None]).squeeze(1),
+        kept=ancestry[path_end],
+        path_end=path_end,
+        draft_accepted=depth[:, : tree.lookup_start].max(dim=1).values,
     )
 
 

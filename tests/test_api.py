@@ -230,14 +230,20 @@ def test_metrics_count_steps_tokens_and_requests(server, client):
     assert value("dflash_step_seconds_count", block_size="4", batch_bucket="1") > 0
 
 
-def test_first_slot_alternates_are_counted_beside_accepted_tokens():
+def test_alternates_and_lookup_are_counted_beside_accepted_tokens():
     metrics = Metrics()
-    # Three rows at b4: one accepted two chain drafts, one an alternate, one nothing.
-    stats = RoundStats(3, 4, [3, 2, 1], [2, 1, 0], [3, 3, 3], 0.001, 0.02, branches_taken=1)
+    # Four rows at b4: one accepted two chain drafts, one an alternate, one nothing, and one
+    # accepted one chain draft while its lookup path committed five tokens (four beyond the draft).
+    stats = RoundStats(4, 4, [3, 2, 1, 6], [3, 1, 0], [4, 4, 4], 0.001, 0.02, branches_taken=1, lookup_accepted=4)
     metrics.observe_step(stats, 0.021)
     value = metrics.registry.get_sample_value
     assert value("dflash_branch_accepted_tokens_total", {"block_size": "4"}) == 1
-    assert value("dflash_accepted_tokens_total", {"block_size": "4"}) == 3
+    assert value("dflash_lookup_accepted_tokens_total", {"block_size": "4"}) == 4
+    assert value("dflash_accepted_tokens_total", {"block_size": "4"}) == 8  # 2 + 1 + 0 + 5
+    assert value("dflash_step_output_tokens_total", {"block_size": "4", "batch_bucket": "4-7"}) == 12
+    # The per-position counters stay the draft's own: 4 of 12 drafted tokens.
+    accepted = sum(value("dflash_accepted_tokens_per_position_total", {"position": str(k)}) for k in (1, 2, 3))
+    assert accepted / value("dflash_draft_tokens_total", {"block_size": "4"}) == 4 / 12
 
 
 def test_batch_buckets():

@@ -66,6 +66,9 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
             "--branches",
             "1",
             "3",
+            "--lookup",
+            "0",
+            "4",
             "--temperatures",
             "0",
             "1",
@@ -78,13 +81,15 @@ def test_bench_prints_table_and_json(model, tmp_path, capsys):
     summary = json.loads(lines[-1])
     rows = summary["rows"]
     methods = {r["method"] for r in rows}
-    dflash = {"dflash b2", "dflash b4", "dflash b2 k3", "dflash b4 k3"}
+    dflash = {f"dflash b{b}{k}{n}" for b in (2, 4) for k in ("", " k3") for n in ("", " L4")}
     assert methods == {"target-only", *dflash, "hf generate", "hf prompt-lookup", "hf assisted"}
     assert {r["dataset"] for r in rows} == {"humaneval", "mtbench"}
     greedy_dflash = [r for r in rows if r["method"].startswith("dflash") and r["temperature"] == 0]
     assert greedy_dflash and all(r["lossless"] for r in greedy_dflash)
-    # Alternates are verified for greedy rows only: sampled rows never take one.
-    assert all(r["branch_share"] == 0 for r in rows if r["method"].startswith("dflash") and r["temperature"] > 0)
+    # Alternates and lookup paths are verified for greedy rows only: sampled rows never take one.
+    sampled = [r for r in rows if r["method"].startswith("dflash") and r["temperature"] > 0]
+    assert all(r["branch_share"] == r["lookup_tokens_per_round"] == 0 for r in sampled)
+    assert any(r["lookup_tokens_per_round"] > 0 for r in greedy_dflash if r["lookup"])
     assert all(len(r["acceptance_per_position"]) == r["block_size"] - 1 for r in greedy_dflash)
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert lines[0].startswith("dtype float32 (asked for); CPU features:")  # figures carry the machine beside them

@@ -57,12 +57,15 @@ class SimulatedEngine:
     alpha: float = ALPHA
     draft_cost: float = 0.0
     contention: float = 1.0  # live steps over the same steps timed alone (the start-up profile)
+    lookup: float = 0.0  # tokens n-gram lookup paths add per drafting row-round
     slope: dict[int, float] = field(default_factory=lambda: dict(SLOPE))
     now: float = 0.0
     committed: float = 0.0
     step_seconds: dict = field(default_factory=dict)
     accepted: dict = field(default_factory=dict)
     verified: dict = field(default_factory=dict)
+    lookup_accepted: float = 0.0
+    drafting_rows: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def profiled_step_time(self, batch: int, b: int) -> float:
@@ -72,7 +75,7 @@ class SimulatedEngine:
         return self.profiled_step_time(batch, b) * self.contention
 
     def tokens_per_step(self, batch: int, b: int) -> float:
-        return batch * expected_acceptance_length([self.alpha**k for k in range(1, 16)], b)
+        return batch * expected_acceptance_length([self.alpha**k for k in range(1, 16)], b, self.lookup)
 
     def tick(self, table: dict[str, int], seconds: float = 10.0, turns: dict[str, int] | None = None) -> Observation:
         """``seconds`` of serving ``table``; a bucket in ``turns`` alternates its
@@ -94,7 +97,11 @@ class SimulatedEngine:
                 for k in range(1, b):
                     self.verified[k] = self.verified.get(k, 0.0) + steps * batch
                     self.accepted[k] = self.accepted.get(k, 0.0) + steps * batch * self.alpha**k
-        return Observation(self.now, dict(self.step_seconds), dict(self.accepted), dict(self.verified))
+                if b > 1:
+                    self.drafting_rows += steps * batch
+                    self.lookup_accepted += steps * batch * self.lookup
+        counters = dict(self.step_seconds), dict(self.accepted), dict(self.verified)
+        return Observation(self.now, *counters, self.lookup_accepted, self.drafting_rows)
 
     def fixed_throughput(self, b: int) -> float:
         """Tokens per second of this load served at a fixed block size."""
@@ -280,6 +287,21 @@ def test_profiled_drafting_blocks_scale_with_live_drafting_steps_not_plain_ones(
         t8 = expected_acceptance_length(survival, 8) / decision.goodput[bucket][8]
         assert t8 == pytest.approx(1.5 * profiled[8]), bucket
     assert decision.goodput["2-3"][1] == pytest.approx(1 / (1.2 * profiled[1]))
+
+
+@pytest.mark.parametrize("lookup", [0.0, 0.8])
+def test_tokens_lookup_adds_to_drafting_rounds_count_towards_their_goodput(lookup):
+    """A weak draft (S_1 = 0.15) does not pay for its cost on its own; with
+    n-gram lookup adding 0.8 tokens to every drafting row-round it does, and
+    the controller must see that from the lookup counters (the per-position
+    counters stay the draft's own)."""
+    settings = ControllerSettings()
+    engine = SimulatedEngine(batches=(1,), alpha=0.15, draft_cost=0.3, lookup=lookup)
+    state, _ = run(engine, settings, ticks=150, start_b=1)
+    best = max(settings.allowed, key=lambda b: engine.fixed_throughput(b))
+    assert (best > 1) == (lookup > 0)
+    assert state.decided("1") == best
+    assert state.estimates.lookup_tokens(settings.min_verified) == pytest.approx(lookup)
 
 
 def test_survival_never_rises_and_a_lucky_tail_is_not_stretched_over_the_block():
@@ -728,11 +750,14 @@ def test_observation_from_metric_objects_equals_the_rendered_text():
             verified_per_position=[batch] * (b - 1),
             draft_seconds=0,
             verify_seconds=0,
+            lookup_accepted=batch if b > 1 else 0,
         )
         metrics.observe_steps(stats, 0.5, 7)
     direct = observation_from_collectors(metrics.controller_inputs(), now=3.0)
     assert direct == observation_from_text([generate_latest(metrics.registry).decode()], now=3.0)
     assert direct.step_seconds[("2-3", 8)] == (pytest.approx(0.5), 7.0) and direct.accepted[1] == 5.0
+    # Lookup tokens and the drafting row-rounds (7 steps of 1 and of 3 rows) they came from; b = 1 rows are not.
+    assert (direct.lookup_accepted, direct.drafting_rows) == (4.0, 28.0)
 
 
 def test_startup_profile_seeds_step_times_for_idle_buckets(model):

@@ -45,13 +45,19 @@ def run(engine, coro):
         engine.stop()
 
 
-@pytest.mark.parametrize("branches", [1, 4])
-def test_concurrent_requests_get_their_greedy_tokens_and_text(pair, branches, monkeypatch):
+@pytest.mark.parametrize(("branches", "lookup"), [(1, 0), (4, 0), (4, 6)])
+def test_concurrent_requests_get_their_greedy_tokens_and_text(pair, branches, lookup, monkeypatch):
     target, draft, tokenizer = pair
     widths = []
     forward = target.forward
-    monkeypatch.setattr(target, "forward", lambda ids, *a, **k: widths.append(ids.shape[1]) or forward(ids, *a, **k))
-    config = NativeEngineConfig(max_batch_size=3, policy=BlockPolicy.fixed(8), branches=branches)
+
+    def spy(ids, *args, **kwargs):
+        if kwargs.get("block_visible") is not None:  # a tree round's verify block
+            widths.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    config = NativeEngineConfig(max_batch_size=3, policy=BlockPolicy.fixed(8), branches=branches, lookup=lookup)
     engine = NativeEngine(target, draft, tokenizer, config)
     requests = [GenerateRequest(f"r{i}", p, max_tokens=10 + 3 * i) for i, p in enumerate(prompts(7))]
 
@@ -66,7 +72,11 @@ def test_concurrent_requests_get_their_greedy_tokens_and_text(pair, branches, mo
         assert deltas[-1].prompt_tokens == len(request.prompt_ids)
         assert deltas[-1].spec.rounds > 0 and deltas[-1].spec.acceptance_length >= 1
     assert engine.session.batch is None and engine.stats().running == 0
-    assert 8 + branches - 1 in widths  # verify blocks: the chain, then the first slot's alternates
+    # Verify blocks: the chain, then the first slot's alternates, then lookup continuations when found.
+    chain_and_alternates = 8 + branches - 1
+    assert (chain_and_alternates in widths) == (branches > 1)
+    assert any(chain_and_alternates < w <= chain_and_alternates + lookup for w in widths) == (lookup > 0)
+    assert max(widths, default=8) <= chain_and_alternates + lookup
 
 
 def test_stop_token_and_stop_string(pair):

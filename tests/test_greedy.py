@@ -12,7 +12,8 @@ from speculative.sampling import SamplingParams, greedy_tokens
 from speculative.session import DecodeSession
 from speculative.train.draft_vocab import frequent_token_ids, token_coverage
 from speculative.train.objective import simulated_greedy_rounds
-from speculative.verify import verify_greedy_branches
+from speculative.tree import DraftTree
+from speculative.verify import verify_greedy_tree
 
 NEW_TOKENS = 32
 PROMPTS = random_prompts(24, seed=11, min_len=2, max_len=24)
@@ -69,8 +70,8 @@ def test_reduced_draft_vocabulary_matches_target_greedy(reduced_vocab, block_siz
     proposed = []
     original = DecodeSession._propose
 
-    def spy(self, positions):
-        drafts, q, alternates = original(self, positions)
+    def spy(self, positions, tree_round):
+        drafts, q, alternates = original(self, positions, tree_round)
         proposed.append(drafts.flatten())
         return drafts, q, alternates
 
@@ -222,6 +223,24 @@ def test_first_slot_branches_match_target_greedy(pair_and_references, block_size
     assert sum(r.branches_taken for r in result.rounds) > 0
 
 
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize(("branches", "lookup"), [(1, 3), (4, 8)])
+def test_lookup_paths_match_target_greedy(pair_and_references, block_size, branches, lookup):
+    """Ragged batches that also verify an n-gram lookup continuation per row
+    (of different lengths, or none) beside the chain and the alternates: still
+    the target's greedy output, and lookup paths really commit tokens past
+    what the draft's slots accepted, longer than the block at b = 2."""
+    (target, draft), references = pair_and_references
+    config = DecodeConfig(block_size=block_size, max_new_tokens=NEW_TOKENS, branches=branches, lookup=lookup)
+    rounds = []
+    for start in range(0, len(PROMPTS), 6):
+        result = spec_generate(target, draft, PROMPTS[start : start + 6], config)
+        assert result.tokens == references[start : start + 6]
+        rounds += result.rounds
+    assert sum(r.lookup_accepted for r in rounds) > 0
+    assert block_size > 2 or max(max(r.committed) for r in rounds) > block_size
+
+
 def test_rows_with_penalties_never_branch(qwen_pair):
     """An alternate's prefix differs from the chain's, so a penalised row would
     need its own adjusted distribution: rounds with such a row in the batch
@@ -230,25 +249,42 @@ def test_rows_with_penalties_never_branch(qwen_pair):
     params = [SamplingParams(repetition_penalty=1.3), SamplingParams()]
     chain = spec_generate(target, draft, PROMPTS[:2], DecodeConfig(block_size=4, max_new_tokens=NEW_TOKENS), params)
     branched = spec_generate(
-        target, draft, PROMPTS[:2], DecodeConfig(block_size=4, max_new_tokens=NEW_TOKENS, branches=4), params
+        target, draft, PROMPTS[:2], DecodeConfig(block_size=4, max_new_tokens=NEW_TOKENS, branches=4, lookup=4), params
     )
     assert branched.tokens == chain.tokens
     # Once the penalised row has finished, the other one alone may branch.
     together = [r for r in branched.rounds if r.batch_size == 2]
-    assert together and all(r.branches_taken == 0 for r in together)
+    assert together and all(r.branches_taken == r.lookup_accepted == 0 for r in together)
 
 
-def test_verify_greedy_branches_takes_an_alternate_only_when_the_chain_fails():
-    vocab, block_size = 10, 3
-    drafts = torch.tensor([[4, 5], [4, 5], [4, 5]])  # chain drafts at slots 1, 2
-    alternates = torch.tensor([[6, 7], [6, 7], [6, 7]])  # slots 3, 4: other candidates for slot 1
-    # Target argmax per slot: row 0 accepts the chain (4, 5, bonus 9); row 1 rejects 4 but its
-    # token after the anchor is the alternate 7, whose own slot says 8; row 2 matches nothing.
-    argmax = torch.tensor([[4, 5, 9, 1, 1], [7, 2, 2, 3, 8], [2, 2, 2, 3, 3]])
+def test_verify_greedy_tree_commits_the_longest_accepted_path():
+    vocab = 10
+    tree = DraftTree.build(3, alternates=2, lookup=3)  # slots: anchor, chain 1-2, alternates 3-4, lookup 5-7
+    assert tree.parents == (-1, 0, 1, 0, 0, 0, 5, 6)
+    block = torch.tensor([[0, 4, 5, 6, 7, 4, 5, 6]] * 5)
+    valid = torch.ones(5, 8, dtype=torch.bool)
+    valid[4, 7] = False  # row 4 found a lookup of two tokens only
+    # Target argmax after each slot's path:
+    argmax = torch.tensor(
+        [
+            [4, 5, 9, 1, 1, 5, 1, 1],  # chain accepted whole (4, 5, bonus 9); lookup's 4 5 too, then 1 != 6
+            [7, 2, 2, 3, 8, 1, 1, 1],  # chain fails at 4, alternate 7 (slot 4) holds, its slot says 8
+            [4, 3, 2, 3, 3, 5, 6, 2],  # chain stops after 4; lookup 4 5 6 all hold, bonus 2
+            [2, 2, 2, 3, 3, 5, 6, 2],  # nothing holds
+            [4, 3, 2, 3, 3, 5, 6, 2],  # as row 2, but slot 7 is not real: lookup 4 5, then 6
+        ]
+    )
     logits = torch.nn.functional.one_hot(argmax, vocab).float()
-    verdict = verify_greedy_branches(drafts, alternates, logits)
-    assert verdict.num_accepted.tolist() == [2, 1, 0]
-    assert verdict.next_token.tolist() == [9, 8, 2]
-    assert verdict.branch.tolist() == [-1, 1, -1]
-    kept = verdict.kept_slots(block_size, alternates.shape[1])
-    assert kept.int().tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 1], [1, 0, 0, 0, 0]]
+    verdict = verify_greedy_tree(block, valid, tree, logits)
+    assert verdict.num_accepted.tolist() == [2, 1, 3, 0, 2]
+    assert verdict.next_token.tolist() == [9, 8, 2, 2, 6]
+    assert verdict.draft_accepted.tolist() == [2, 1, 1, 0, 1]
+    assert verdict.kept.int().tolist() == [
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 0, 0, 1, 1, 1],
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 1, 1, 0],
+    ]
+    # Row 0: the lookup path also accepted two tokens (4, 5): on a tie the chain is kept.
+    assert verdict.path_end.tolist()[0] == 2

@@ -183,8 +183,8 @@ def test_reduced_draft_vocabulary_keeps_sampling_exact(reduced_draft, warp, monk
     proposals = []
     original = session.DecodeSession._propose
 
-    def spy(self, positions):
-        drafts, q, alternates = original(self, positions)
+    def spy(self, positions, tree_round):
+        drafts, q, alternates = original(self, positions, tree_round)
         proposals.append((drafts.flatten(), q))
         return drafts, q, alternates
 

@@ -4,6 +4,7 @@ settings) to a block-size policy table and the next state.
 Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b);
 B is fixed inside a bucket, so E[tau(b)] / t(b) decides. E[tau(b)] = 1 +
 sum_{k<b} S_k comes from the survival per draft position (``estimates``),
+plus, for b > 1, the tokens n-gram lookup paths added per drafting row-round,
 t(b) from the cost model (``cost``). The rules:
 
 - b = 1 (plain decoding) is always a candidate; b never exceeds the draft's block;
@@ -73,6 +74,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     allowed = settings.allowed
     survival = estimates.survival_curve(max(allowed) - 1, settings.min_verified)
     reachable = estimates.survival_upper_bound(max(allowed) - 1, settings.min_verified)
+    lookup = estimates.lookup_tokens(settings.min_verified)
     costs = CostModel.fit(estimates, settings)
     goodput: dict[str, dict[int, float]] = {}
     reasons: dict[str, str] = {}
@@ -82,7 +84,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         if not times:
             state.table[bucket], reasons[bucket] = current, "no measurements"
             continue
-        goodput[bucket] = {b: expected_acceptance_length(survival, b) / t for b, t in times.items()}
+        goodput[bucket] = {b: expected_acceptance_length(survival, b, lookup) / t for b, t in times.items()}
         trial = state.exploring.get(bucket)
         if trial is not None and bucket not in paired and not trial_done(estimates, bucket, trial, obs.time, settings):
             reasons[bucket] = f"exploring b={trial.block} in turns with b={trial.back_to}"
@@ -99,7 +101,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
             state.exploring[bucket] = start_trial(estimates, bucket, state.table[bucket], fallback, obs)
             reasons[bucket] += f"; not run here yet: a trial, back to b={fallback} unless it holds up"
             continue
-        best_case = {b: expected_acceptance_length(reachable, b) / t for b, t in times.items()}
+        best_case = {b: expected_acceptance_length(reachable, b, lookup) / t for b, t in times.items()}
         explore = stale_candidate(
             estimates,
             settings,

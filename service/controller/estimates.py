@@ -6,6 +6,8 @@ forgotten abruptly).
 Observation = one scrape of the raw counters (``service.metrics``):
   step_seconds[(bucket, b)] = (sum of step seconds, step count)   # histogram _sum/_count
   accepted[k], verified[k]  = drafts accepted / verified at block position k
+  lookup_accepted, drafting_rows = tokens n-gram lookup paths committed beyond
+                              the draft's / row-rounds verified at b > 1
 Counters only grow; a decrease means the replica restarted, and that scrape is
 taken as the new baseline.
 """
@@ -26,6 +28,8 @@ class Observation:
     step_seconds: dict[Cell, tuple[float, float]]
     accepted: dict[int, float]
     verified: dict[int, float]
+    lookup_accepted: float = 0.0
+    drafting_rows: float = 0.0
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Estimates:
 
     step_time: dict[Cell, Decayed] = field(default_factory=dict)
     survival: dict[int, Decayed] = field(default_factory=dict)
+    lookup: Decayed = field(default_factory=Decayed)  # lookup tokens per drafting row-round
     baseline: Observation | None = None
     profile: dict[Cell, float] = field(default_factory=dict)  # start-up profile: mean step time per cell
     profile_pending: bool = False  # the next observation's step times are the start-up profile
@@ -98,6 +103,9 @@ class Estimates:
             verified = obs.verified.get(k, 0.0) - previous.verified.get(k, 0.0)
             accepted = obs.accepted.get(k, 0.0) - previous.accepted.get(k, 0.0)
             self.survival.setdefault(k, Decayed()).add(accepted, verified, obs.time, decay)
+        self.lookup.add(
+            obs.lookup_accepted - previous.lookup_accepted, obs.drafting_rows - previous.drafting_rows, obs.time, decay
+        )
 
     def comparable_means(self, bucket: str, blocks: Iterable[int], min_steps: float) -> dict[int, float]:
         """Mean step times of the bucket's ``blocks``, each carried to the present
@@ -169,6 +177,15 @@ class Estimates:
                 curve.append(curve[-1] * ratio)
         return curve
 
+    def lookup_tokens(self, min_verified: float) -> float:
+        """Tokens n-gram lookup adds to a drafting row-round beyond the draft's
+        (``--lookup``), once ``min_verified`` row-rounds measured it; else 0.
+        It does not depend on the block much (a lookup path is not limited by
+        it), so every b > 1 gets the same."""
+        if self.lookup.samples < min_verified or self.lookup.count <= 0:
+            return 0.0
+        return max(0.0, self.lookup.mean)
+
     def survival_upper_bound(self, max_position: int, min_verified: float) -> list[float]:
         """S_1..S_max where measured; an unmeasured position is at most the survival
         before it (1.0 before any measurement): what a block could reach, for
@@ -182,9 +199,10 @@ class Estimates:
         return bound
 
 
-def expected_acceptance_length(survival: list[float], block_size: int) -> float:
-    """E[tau(b)] = 1 + sum_{k<b} S_k: the bonus token plus each surviving draft."""
-    return 1.0 + sum(survival[: block_size - 1])
+def expected_acceptance_length(survival: list[float], block_size: int, lookup_tokens: float = 0.0) -> float:
+    """E[tau(b)] = 1 + sum_{k<b} S_k (+ lookup's tokens for b > 1): the bonus
+    token, each surviving draft, and what lookup paths add in drafting rounds."""
+    return 1.0 + sum(survival[: block_size - 1]) + (lookup_tokens if block_size > 1 else 0.0)
 
 
 def _tail_ratio(curve: list[float]) -> float:
@@ -201,6 +219,8 @@ def _tail_ratio(curve: list[float]) -> float:
 
 def _restarted(previous: Observation, obs: Observation) -> bool:
     counts = [(obs.step_seconds.get(c, (0, 0))[1], v[1]) for c, v in previous.step_seconds.items()]
-    return any(now < before for now, before in counts) or any(
-        obs.verified.get(k, 0.0) < v for k, v in previous.verified.items()
+    return (
+        any(now < before for now, before in counts)
+        or any(obs.verified.get(k, 0.0) < v for k, v in previous.verified.items())
+        or obs.drafting_rows < previous.drafting_rows
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
@@ -23,6 +24,8 @@ STEP_SUM = f"{names.STEP_SECONDS}_sum"
 STEP_COUNT = f"{names.STEP_SECONDS}_count"
 ACCEPTED = f"{names.ACCEPTED_PER_POSITION}_total"
 VERIFIED = f"{names.VERIFIED_PER_POSITION}_total"
+LOOKUP = f"{names.LOOKUP_ACCEPTED_TOKENS}_total"
+ROWS = f"{names.VERIFY_ROWS}_total"
 
 
 class SourceError(RuntimeError):
@@ -44,16 +47,14 @@ def observation_from_collectors(collectors: Iterable[Collector], now: float) -> 
 
 def _observation(families: Iterable[Metric], now: float) -> Observation:
     """Fold every sample in (lazily parsed families raise while iterated)."""
-    steps: dict[tuple[str, int], list[float]] = {}
-    accepted: dict[int, float] = {}
-    verified: dict[int, float] = {}
+    counts = _Counts()
     try:
         for family in families:
             for sample in family.samples:
-                _fold(sample.name, sample.labels, sample.value, steps, accepted, verified)
+                counts.fold(sample.name, sample.labels, sample.value)
     except (ValueError, KeyError) as exc:
         raise SourceError(f"unreadable metrics: {exc}") from exc
-    return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
+    return counts.observation(now)
 
 
 def scrape_replicas(urls: Iterable[str], now: float, timeout: float = 5.0) -> Observation:
@@ -76,11 +77,11 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
         STEP_COUNT: f"sum by (block_size, batch_bucket) ({STEP_COUNT})",
         ACCEPTED: f"sum by (position) ({ACCEPTED})",
         VERIFIED: f"sum by (position) ({VERIFIED})",
+        LOOKUP: f"sum({LOOKUP})",
+        ROWS: f"sum by (block_size) ({ROWS})",
     }
-    steps: dict[tuple[str, int], list[float]] = {}
-    accepted: dict[int, float] = {}
-    verified: dict[int, float] = {}
-    # One evaluation time for all four queries: evaluated at "now" one after the
+    counts = _Counts()
+    # One evaluation time for all the queries: evaluated at "now" one after the
     # other, a histogram's _sum and _count could come from different scrapes.
     at = time.time()
     for name, query in queries.items():
@@ -89,8 +90,8 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
                 value = float(series["value"][1])
             except (KeyError, TypeError, IndexError, ValueError) as exc:
                 raise SourceError(f"malformed sample in {name}: {series!r}") from exc
-            _fold(name, series.get("metric", {}), value, steps, accepted, verified)
-    return Observation(now, {cell: (s, c) for cell, (s, c) in steps.items()}, accepted, verified)
+            counts.fold(name, series.get("metric", {}), value)
+    return counts.observation(now)
 
 
 def instant_query(base_url: str, query: str, timeout: float = 5.0, at: float | None = None) -> list[dict[str, Any]]:
@@ -124,21 +125,32 @@ def discover_replicas(base_url: str, query: str, timeout: float = 5.0) -> list[s
     return sorted(urls)
 
 
-def _fold(
-    name: str,
-    labels: dict[str, str],
-    value: float,
-    steps: dict[tuple[str, int], list[float]],
-    accepted: dict[int, float],
-    verified: dict[int, float],
-) -> None:
-    if not math.isfinite(value) or value < 0:
-        raise SourceError(f"{name}{labels} = {value} is not a counter value")
-    if name in (STEP_SUM, STEP_COUNT):
-        cell = (labels["batch_bucket"], int(labels["block_size"]))
-        pair = steps.setdefault(cell, [0.0, 0.0])
-        pair[0 if name == STEP_SUM else 1] += value
-    elif name == ACCEPTED:
-        accepted[int(labels["position"])] = accepted.get(int(labels["position"]), 0.0) + value
-    elif name == VERIFIED:
-        verified[int(labels["position"])] = verified.get(int(labels["position"]), 0.0) + value
+@dataclass
+class _Counts:
+    """The counters an observation needs, summed over series (and replicas)."""
+
+    steps: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    accepted: dict[int, float] = field(default_factory=dict)
+    verified: dict[int, float] = field(default_factory=dict)
+    lookup_accepted: float = 0.0
+    drafting_rows: float = 0.0
+
+    def fold(self, name: str, labels: dict[str, str], value: float) -> None:
+        if not math.isfinite(value) or value < 0:
+            raise SourceError(f"{name}{labels} = {value} is not a counter value")
+        if name in (STEP_SUM, STEP_COUNT):
+            cell = (labels["batch_bucket"], int(labels["block_size"]))
+            pair = self.steps.setdefault(cell, [0.0, 0.0])
+            pair[0 if name == STEP_SUM else 1] += value
+        elif name == ACCEPTED:
+            self.accepted[int(labels["position"])] = self.accepted.get(int(labels["position"]), 0.0) + value
+        elif name == VERIFIED:
+            self.verified[int(labels["position"])] = self.verified.get(int(labels["position"]), 0.0) + value
+        elif name == LOOKUP:
+            self.lookup_accepted += value
+        elif name == ROWS and int(labels["block_size"]) > 1:
+            self.drafting_rows += value
+
+    def observation(self, now: float) -> Observation:
+        steps = {cell: (total, count) for cell, (total, count) in self.steps.items()}
+        return Observation(now, steps, self.accepted, self.verified, self.lookup_accepted, self.drafting_rows)

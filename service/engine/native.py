@@ -67,7 +67,8 @@ class NativeEngineConfig:
     ``threads``: intra-op threads of the scheduler thread's torch ops (0: leave
     torch's setting; ``decode_threads`` picks the service's default).
     ``branches``: candidates verified for the first drafted slot
-    (``DecodeSession``; 1: the draft's chain alone)."""
+    (``DecodeSession``; 1: the draft's chain alone). ``lookup``: n-gram
+    lookup tokens verified beside the draft (``DecodeSession``; 0: none)."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -77,12 +78,13 @@ class NativeEngineConfig:
     plain_reference_every: int = 64
     threads: int = 0
     branches: int = 1
+    lookup: int = 0
 
     def __post_init__(self) -> None:
-        counts = self.max_waiting, self.plain_reference_every, self.threads
+        counts = self.max_waiting, self.plain_reference_every, self.threads, self.lookup
         if min(self.max_batch_size, self.branches) < 1 or min(counts) < 0:
             raise ValueError(
-                "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every and threads >= 0"
+                "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every, threads and lookup >= 0"
             )
 
 
@@ -140,7 +142,12 @@ class NativeEngine:
     ) -> None:
         config = config or NativeEngineConfig()
         self.session = DecodeSession(
-            target, draft, proposal=config.proposal, compact_slack=config.compact_slack, branches=config.branches
+            target,
+            draft,
+            proposal=config.proposal,
+            compact_slack=config.compact_slack,
+            branches=config.branches,
+            lookup=config.lookup,
         )
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.on_step = on_step
@@ -174,7 +181,8 @@ class NativeEngine:
         policy = BlockPolicy.fixed(settings.block_size) if settings.block_size else None
         threads = decode_threads(settings.threads, usable_cpus()) if settings.device == "cpu" else 0
         log.info("decode threads: %s", threads or "torch's default")
-        log.info("first-slot branches: %d", settings.branches if draft is not None else 1)
+        if draft is not None:
+            log.info("first-slot branches: %d, n-gram lookup tokens: %d", settings.branches, settings.lookup)
         config = NativeEngineConfig(
             settings.max_batch_size,
             settings.max_waiting,
@@ -182,6 +190,7 @@ class NativeEngine:
             plain_reference_every=settings.plain_reference_every,
             threads=threads,
             branches=settings.branches,
+            lookup=settings.lookup,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
 

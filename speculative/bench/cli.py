@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.bench.datasets import DATASETS
 from speculative.bench.diagnose import diagnose, print_diagnosis
-from speculative.bench.run import BenchSettings, dflash_method, run_dflash, run_hf_generate
+from speculative.bench.run import TARGET_ONLY, BenchSettings, DFlashMethod, run_dflash, run_hf_generate, sweep_methods
 from speculative.chat import stop_token_ids, user_prompt_ids
 from speculative.checkpoint import load_draft
 from speculative.precision import DTYPES, choose_dtype, cpu_features
@@ -26,6 +26,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     settings = BenchSettings(
         block_sizes=tuple(args.block_sizes),
         branches=tuple(args.branches),
+        lookups=tuple(args.lookup),
         batch_sizes=tuple(args.batch_sizes),
         temperatures=tuple(args.temperatures),
         max_new_tokens=args.max_new_tokens,
@@ -49,17 +50,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         ids = [x for x in ids if len(x) + settings.max_new_tokens + max(settings.block_sizes) <= target.context_length]
         for temperature in settings.temperatures:
             for batch in settings.batch_sizes:
-                methods = [(1, 1), *((b, k) for b in settings.block_sizes for k in settings.branches)]
+                methods = sweep_methods(settings)
                 runs = run_dflash(target, draft, ids, methods, batch, temperature, settings, stop)
-                base = runs[(1, 1)]
-                rows.append(_row(name, "target-only", base, base))
+                base = runs[TARGET_ONLY]
+                rows.append(_row(name, TARGET_ONLY.name, base, base))
                 if args.diagnose and temperature == 0 and name not in diagnoses:
                     params = SamplingParams(repetition_penalty=settings.repetition_penalty)
                     diagnoses[name] = diagnose(target, draft, ids, base["outputs"], params)
                 for method in methods[1:]:
                     if temperature == 0:
                         runs[method]["lossless"] = runs[method]["outputs"] == base["outputs"]
-                    rows.append(_row(name, dflash_method(*method), runs[method], base))
+                    rows.append(_row(name, method.name, runs[method], base))
             peers: dict[str, dict[str, object]] = {
                 "hf generate": {},
                 "hf prompt-lookup": {"prompt_lookup_num_tokens": 10},
@@ -96,7 +97,7 @@ def _measured_tau(rows: list[dict[str, Any]], dataset: str, block_size: int) -> 
         r["tau"]
         for r in rows
         if r["dataset"] == dataset
-        and r["method"] == dflash_method(block_size)
+        and r["method"] == DFlashMethod(block_size).name
         and r["temperature"] == 0
         and r["batch_size"] == 1
     ]
@@ -136,6 +137,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[1],
         help="candidates verified for the first drafted slot, each block size with each (1: the chain alone)",
+    )
+    parser.add_argument(
+        "--lookup",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="n-gram lookup tokens verified beside the draft, each block size with each (0: none)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

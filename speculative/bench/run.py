@@ -27,11 +27,13 @@ K = TypeVar("K")
 class BenchSettings:
     """What to sweep. Block size 1 (target-only) always runs as the baseline;
     every block size runs with each of ``branches`` (candidates verified for
-    the first drafted slot, ``DecodeConfig.branches``). ``repetition_penalty``
+    the first drafted slot, ``DecodeConfig.branches``) and each of ``lookups``
+    (n-gram lookup tokens, ``DecodeConfig.lookup``). ``repetition_penalty``
     (1: off) applies to every method alike."""
 
     block_sizes: tuple[int, ...] = (4, 8, 16)
     branches: tuple[int, ...] = (1,)
+    lookups: tuple[int, ...] = (0,)
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_new_tokens: int = 128
@@ -70,34 +72,60 @@ def interleave(methods: Mapping[K, Callable[[int], None]], count: int) -> dict[K
     return seconds
 
 
-def dflash_method(block_size: int, branches: int = 1) -> str:
-    """A DFlash row's name: "dflash b4", or "dflash b4 k3" with three first-slot candidates."""
-    return f"dflash b{block_size}" + (f" k{branches}" if branches > 1 else "")
+@dataclass(frozen=True)
+class DFlashMethod:
+    """One way to decode in the engine: block size 1 is target-only."""
+
+    block_size: int
+    branches: int = 1
+    lookup: int = 0
+
+    @property
+    def name(self) -> str:
+        """ "dflash b4", "dflash b4 k3" with three first-slot candidates, "dflash b4 k3 L8" with 8 lookup tokens."""
+        if self.block_size == 1:
+            return "target-only"
+        return " ".join(
+            [f"dflash b{self.block_size}"]
+            + ([f"k{self.branches}"] if self.branches > 1 else [])
+            + ([f"L{self.lookup}"] if self.lookup else [])
+        )
+
+
+TARGET_ONLY = DFlashMethod(1)
+
+
+def sweep_methods(settings: BenchSettings) -> list[DFlashMethod]:
+    """Target-only first, then every block size with every branches and lookup setting."""
+    return [
+        TARGET_ONLY,
+        *(DFlashMethod(b, k, n) for b in settings.block_sizes for k in settings.branches for n in settings.lookups),
+    ]
 
 
 def run_dflash(
     target: TargetModel,
     draft: DFlashDraftModel | None,
     prompts: Sequence[list[int]],
-    methods: Sequence[tuple[int, int]],
+    methods: Sequence[DFlashMethod],
     batch_size: int,
     temperature: float,
     settings: BenchSettings,
     stop_token_ids: tuple[int, ...],
-) -> dict[tuple[int, int], dict[str, Any]]:
-    """Decode every prompt (in batches) with each method, a (block size,
-    branches) pair ((1, 1): target-only), the methods taking turns batch by
-    batch (``interleave``); returns throughput and acceptance per method."""
+) -> dict[DFlashMethod, dict[str, Any]]:
+    """Decode every prompt (in batches) with each method, the methods taking
+    turns batch by batch (``interleave``); returns throughput and acceptance
+    per method."""
     results = {m: GenerationResult(tokens=[], finish_reasons=[]) for m in methods}
     chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
-    def decode_at(method: tuple[int, int]) -> Callable[[int], None]:
-        block_size, branches = method
+    def decode_at(method: DFlashMethod) -> Callable[[int], None]:
         config = DecodeConfig(
-            block_size=block_size,
+            block_size=method.block_size,
             max_new_tokens=settings.max_new_tokens,
             stop_token_ids=stop_token_ids,
-            branches=branches,
+            branches=method.branches,
+            lookup=method.lookup,
         )
 
         def decode_chunk(index: int) -> None:
@@ -106,7 +134,7 @@ def run_dflash(
                 SamplingParams(temperature, seed=settings.seed + first + j, repetition_penalty=penalty)
                 for j in range(len(chunks[index]))
             ]
-            result = spec_generate(target, draft if block_size > 1 else None, chunks[index], config, sampling)
+            result = spec_generate(target, draft if method.block_size > 1 else None, chunks[index], config, sampling)
             results[method].tokens += result.tokens
             results[method].rounds += result.rounds
 
@@ -117,17 +145,19 @@ def run_dflash(
 
 
 def _dflash_summary(
-    merged: GenerationResult, method: tuple[int, int], batch_size: int, temperature: float, seconds: float
+    merged: GenerationResult, method: DFlashMethod, batch_size: int, temperature: float, seconds: float
 ) -> dict[str, Any]:
-    block_size, branches = method
+    block_size = method.block_size
     accepted = [sum(r.accepted_per_position[k] for r in merged.rounds) for k in range(block_size - 1)]
     verified = [sum(r.verified_per_position[k] for r in merged.rounds) for k in range(block_size - 1)]
     tokens = sum(len(t) for t in merged.tokens)
     rows = sum(len(r.committed) for r in merged.rounds)
     return {
         "block_size": block_size,
-        "branches": branches,
+        "branches": method.branches,
         "branch_share": sum(r.branches_taken for r in merged.rounds) / rows if rows else 0.0,
+        "lookup": method.lookup,
+        "lookup_tokens_per_round": sum(r.lookup_accepted for r in merged.rounds) / rows if rows else 0.0,
         "batch_size": batch_size,
         "temperature": temperature,
         "tokens": tokens,
