@@ -2,6 +2,9 @@
 same PromQL Grafana runs (for the docs, where Grafana itself cannot run).
 
     python dashboards/render.py --prometheus http://127.0.0.1:9090 --minutes 10 --out docs/img/dashboard
+
+``--end`` renders a past window (a stored run's TSDB served by a Prometheus of
+its own), ``--instance`` one replica's series, as the dashboard's variable does.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import matplotlib.pyplot as plt
 DASHBOARD = Path(__file__).with_name("dflash.json")
 
 
-def promql(expr: str, rate_window: str = "1m", range_window: str = "1h") -> str:
-    """A dashboard expression as Prometheus runs it: Grafana's variables filled
-    with "everything", ``$__rate_interval`` with ``rate_window`` and
-    ``$__range`` (the dashboard's time range) with ``range_window``."""
+def promql(expr: str, rate_window: str = "1m", range_window: str = "1h", instance: str = ".*") -> str:
+    """A dashboard expression as Prometheus runs it: ``$model`` filled with
+    "every model", ``$instance`` with the regex ``instance``,
+    ``$__rate_interval`` with ``rate_window`` and ``$__range`` (the
+    dashboard's time range) with ``range_window``."""
     filled = expr.replace("$__rate_interval", rate_window).replace("$__range", range_window)
-    return filled.replace('"$model"', '".*"').replace('"$instance"', '".*"')
+    return filled.replace('"$model"', '".*"').replace('"$instance"', f'"{instance}"')
 
 
 def panels(dashboard: Path = DASHBOARD) -> list[dict[str, Any]]:
@@ -51,17 +55,34 @@ def query_range(base_url: str, expr: str, start: float, end: float, step: float)
     return result
 
 
-def render(base_url: str, out_dir: Path, start: float, end: float, rate_window: str = "1m") -> list[Path]:
-    """One PNG per panel; returns the files written."""
+def with_gaps(points: list[tuple[float, float]], step: float) -> tuple[list[float], list[float]]:
+    """The points' x and y with a NaN wherever a series has no samples for over
+    a step, so a plot breaks the line there as Grafana does, not bridge it."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for x, y in points:
+        if xs and x - xs[-1] > 1.5 * step:
+            xs.append(xs[-1] + step)
+            ys.append(float("nan"))
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def render(
+    base_url: str, out_dir: Path, start: float, end: float, rate_window: str = "1m", instance: str = ".*"
+) -> list[Path]:
+    """One PNG per panel over [start, end] (its ``$__range``); returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     step = max(1.0, (end - start) / 200)
     written = []
     for panel in panels():
         fig, ax = plt.subplots(figsize=(6, 3))
         for target in panel["targets"]:
-            for series in query_range(base_url, promql(target["expr"], rate_window), start, end, step):
-                points = [(float(t) - start, float(v)) for t, v in series["values"]]
-                ax.plot(*zip(*points, strict=True), label=legend(target.get("legendFormat", ""), series["metric"]))
+            expr = promql(target["expr"], rate_window, f"{round(end - start)}s", instance)
+            for series in query_range(base_url, expr, start, end, step):
+                xs, ys = with_gaps([(float(t) - start, float(v)) for t, v in series["values"]], step)
+                ax.plot(xs, ys, label=legend(target.get("legendFormat", ""), series["metric"]))
         ax.set_title(panel["title"], fontsize=10)
         ax.set_xlabel("seconds")
         ax.set_ylabel(panel["fieldConfig"]["defaults"].get("unit", "").removeprefix("suffix:"))
@@ -78,12 +99,15 @@ def render(base_url: str, out_dir: Path, start: float, end: float, rate_window: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prometheus", required=True)
-    parser.add_argument("--minutes", type=float, default=10.0, help="the last N minutes")
+    parser.add_argument("--minutes", type=float, default=10.0, help="the N minutes up to --end")
+    parser.add_argument("--end", type=float, default=None, help="unix seconds (default: now)")
+    parser.add_argument("--instance", default=".*", help="regex of the instances shown (default: all)")
     parser.add_argument("--rate-window", default="1m")
     parser.add_argument("--out", type=Path, default=Path("docs/img/dashboard"))
     args = parser.parse_args()
-    end = time.time()
-    for path in render(args.prometheus, args.out, end - args.minutes * 60, end, args.rate_window):
+    end = time.time() if args.end is None else args.end
+    start = end - args.minutes * 60
+    for path in render(args.prometheus, args.out, start, end, args.rate_window, args.instance):
         print(path)
 
 

@@ -13,10 +13,13 @@ every row at once:
            block's slots are masked out; the correction/bonus token becomes the next
            anchor (it enters the caches when it is verified next round).
 
-Greedy rounds may verify more than the chain in the same forward, as a tree of
-paths from the anchor (``speculative.tree``): the draft's runner-up tokens for
-the first slot (``branches``) and an n-gram lookup continuation (``lookup``,
-``speculative.lookup``); the row commits the path the target accepts furthest.
+A round may verify more than the chain in the same forward, as a tree of paths
+from the anchor (``speculative.tree``): an n-gram lookup continuation
+(``lookup``, ``speculative.lookup``) and, when every row is greedy, the draft's
+runner-up tokens for the first slot (``branches``); a greedy row commits the
+path the target accepts furthest, a sampled row the path recursive rejection
+sampling takes (``verify_sampled_tree``). Not for rows with penalties or
+early-stop suppression (``_prefix_free``).
 
 ``b = 1`` is plain decoding; the draft's context still grows in such rounds, so
 speculation can resume at any later round.
@@ -48,7 +51,7 @@ from speculative.sampling import (
 )
 from speculative.target import TargetModel
 from speculative.tree import DraftTree
-from speculative.verify import Verdict, verify_greedy, verify_greedy_tree, verify_sampled
+from speculative.verify import Verdict, verify_greedy, verify_greedy_tree, verify_sampled, verify_sampled_tree
 
 Proposal = Literal["argmax", "sample"]  # how a draft slot's token is chosen: the draft's argmax, or sampled
 DEFAULT_COMPACT_SLACK = 64  # wasted cache slots per row that trigger a compaction
@@ -278,10 +281,12 @@ class DecodeSession:
     def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         batch, device = self._batch(), self.target.device
         start = batch.lengths[:, None]  # the anchor's position
-        tree_round = block_size > 1 and self._may_branch()
+        drafting = block_size > 1
         t0 = _clock(device)
-        drafts, draft_probs, alternates = self._propose(start + torch.arange(block_size, device=device), tree_round)
-        lookup, lookup_valid = self._lookup(start, tree_round)
+        drafts, draft_probs, alternates = self._propose(
+            start + torch.arange(block_size, device=device), drafting and self._may_branch()
+        )
+        lookup, lookup_valid = self._lookup(start, drafting and self.lookup > 0 and self._prefix_free())
         t1 = _clock(device)
         tree = DraftTree.build(block_size, alternates.shape[1], lookup.shape[1])
         block = torch.cat([self.rows.anchors[:, None], drafts, alternates, lookup], dim=1)
@@ -339,11 +344,11 @@ class DecodeSession:
         return batch, out.logits[:, -1]
 
     def _propose(
-        self, positions: torch.Tensor, tree_round: bool
+        self, positions: torch.Tensor, branching: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1],
-        for sampled proposals their distributions q [B, b-1, V], and, in a
-        ``tree_round``, the alternates for the first drafted slot [B, m] (``_alternates``)."""
+        for sampled proposals their distributions q [B, b-1, V], and, when
+        ``branching``, the alternates for the first drafted slot [B, m] (``_alternates``)."""
         anchors = self.rows.anchors
         none = anchors.new_empty(len(anchors), 0)
         if positions.shape[1] == 1:
@@ -361,19 +366,26 @@ class DecodeSession:
         logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
         if self.proposal == "argmax":
             drafts = greedy_tokens(logits)
-            return drafts, None, self._alternates(logits[:, 0], drafts[:, 0]) if tree_round else none
+            return drafts, None, self._alternates(logits[:, 0], drafts[:, 0]) if branching else none
         q = probabilities(logits, self.rows.params)
         return sample_positions(q, self.rows.generators), q, none
 
     def _may_branch(self) -> bool:
-        """Whether a round may verify a tree (alternates, lookup) rather than the
-        chain alone: every row greedy without penalties or early-stop suppression.
-        A candidate path's exact prefix differs from the chain's, and then no
-        row's distribution depends on its prefix beyond what the target computes."""
-        if self.branches == 1 and not self.lookup:
+        """Whether a round may verify the draft's runner-up tokens for its first
+        slot (``_alternates``): every row greedy with argmax proposals and free
+        of prefix-dependent adjustments (``_prefix_free``)."""
+        if self.branches == 1 or self.proposal != "argmax":
             return False
+        return all(p.greedy for p in self.rows.params) and self._prefix_free()
+
+    def _prefix_free(self) -> bool:
+        """Whether a round may verify paths other than the chain (alternates,
+        lookup): no row with penalties or early-stop suppression. A candidate
+        path's exact prefix differs from the chain's, and then no row's
+        distribution depends on its prefix beyond what the target computes.
+        Greedy and sampled rows alike (``verify_greedy_tree``, ``verify_sampled_tree``)."""
         rows = zip(self.rows.params, self.rows.generated, strict=True)
-        return self.proposal == "argmax" and all(p.greedy and not p.penalized and not p.suppressing(n) for p, n in rows)
+        return all(not p.penalized and not p.suppressing(n) for p, n in rows)
 
     def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
         """The draft's next ``branches - 1`` most likely tokens for the first
@@ -382,12 +394,12 @@ class DecodeSession:
         others = first_logits.scatter(-1, first_drafts[:, None], float("-inf"))
         return others.topk(self.branches - 1, dim=-1).indices
 
-    def _lookup(self, start: torch.Tensor, tree_round: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lookup(self, start: torch.Tensor, looking: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's n-gram lookup continuation [B, L] (``NgramIndex.propose``)
         and which of its slots the row filled [B, L]; L is the longest
-        continuation found, 0 in a round without a tree or without any match.
+        continuation found, 0 in a round not ``looking`` or without any match.
         Slots past the model's context never count."""
-        found = [index.propose(self.lookup) if tree_round and index is not None else [] for index in self.rows.ngrams]
+        found = [index.propose(self.lookup) if looking and index is not None else [] for index in self.rows.ngrams]
         width = max(map(len, found), default=0)
         if not width:
             return start.new_empty(len(found), 0), start.new_empty(len(found), 0, dtype=torch.bool)
@@ -410,12 +422,15 @@ class DecodeSession:
         draft_probs: torch.Tensor | None,
         target_logits: torch.Tensor,
     ) -> Verdict:
-        if tree.width > tree.chain:
-            # Only rounds whose rows have nothing to adjust get a tree (``_may_branch``).
-            draft_slots = lookup_valid.new_ones(len(block), tree.lookup_start)
-            return verify_greedy_tree(block, torch.cat([draft_slots, lookup_valid], dim=1), tree, target_logits)
-        drafts = block[:, 1:]
         params = self.rows.params
+        if tree.width > tree.chain:
+            # Only rounds whose rows have nothing to adjust get a tree (``_prefix_free``).
+            valid = torch.cat([lookup_valid.new_ones(len(block), tree.lookup_start), lookup_valid], dim=1)
+            if all(p.greedy for p in params):
+                return verify_greedy_tree(block, valid, tree, target_logits)
+            target_probs = probabilities(target_logits, params)
+            return verify_sampled_tree(block, valid, tree, draft_probs, target_probs, self.rows.generators)
+        drafts = block[:, 1:]
         # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
         target_logits = self._adjusted(target_logits, drafts)
         if all(p.greedy for p in params):

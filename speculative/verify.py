@@ -93,6 +93,95 @@ def verify_greedy_tree(
     )
 
 
+def verify_sampled_tree(
+    block: torch.Tensor,
+    valid: torch.Tensor | None,
+    tree: DraftTree,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> Verdict:
+    """Exact speculative sampling over the chain and a lookup path
+    (``speculative.tree``; no alternates): ``block`` [B, q], ``valid`` [B, q]
+    (None: all), ``draft_probs`` [B, b-1, V] the chain's q (None: argmax
+    proposals), ``target_probs`` [B, q, V] the target's distributions after
+    each slot's path.
+
+    Recursive rejection sampling (SpecInfer's, for one sampled and one fixed
+    candidate): at each depth, with p the target's distribution after the
+    accepted path, the chain's draft x (drawn from q) is accepted with
+    probability min(1, p(x)/q(x)) as in ``verify_sampled``; if it is rejected
+    the next distribution is r = normalize(max(0, p - q)), and the lookup
+    token y, a fixed function of the committed tokens (its "q" a point mass),
+    is accepted with probability r(y); if it is rejected too, the next token
+    is drawn from r with y removed. Each stage leaves the token's distribution
+    exactly p, so the committed tokens follow the target. Once one candidate
+    is taken the other path stays alive only while its tokens are the same."""
+    batch, device = len(block), block.device
+    rows = torch.arange(batch, device=device)
+    chain_drafts, lookup_slots = tree.chain - 1, tree.lookup
+    filled = valid if valid is not None else torch.ones_like(block, dtype=torch.bool)
+    u = uniform_rows(generators, 2 * max(chain_drafts, lookup_slots), device)
+    end = torch.zeros(batch, dtype=torch.long, device=device)  # the accepted path's last slot
+    depth_reached, draft_accepted = torch.zeros_like(end), torch.zeros_like(end)
+    # Whether the accepted path's tokens are the chain's / the lookup's (both, while they agree).
+    on_chain = torch.ones(batch, dtype=torch.bool, device=device)
+    on_lookup = torch.ones_like(on_chain)
+    done = torch.zeros_like(on_chain)
+    final = torch.zeros_like(target_probs[:, 0])  # each done row's distribution for its next token
+    for depth in range(1, max(chain_drafts, lookup_slots) + 1):
+        p = target_probs[rows, end]
+        residual = p.clone()
+        accept_chain = torch.zeros_like(done)
+        if depth <= chain_drafts:
+            x = block[:, depth]
+            q = torch.zeros_like(p).scatter_(1, x[:, None], 1.0) if draft_probs is None else draft_probs[:, depth - 1]
+            q_x, p_x = q.gather(1, x[:, None]).squeeze(1), p.gather(1, x[:, None]).squeeze(1)
+            # u < p/q  <=>  u*q < p  (q > 0 for a proposed token): accept with min(1, p/q).
+            tried = ~done & on_chain
+            accept_chain = tried & (u[:, 2 * depth - 2] * q_x < p_x)
+            rejected = tried & ~accept_chain
+            residual[rejected] = (p[rejected] - q[rejected]).clamp(min=0.0)
+        accept_lookup = torch.zeros_like(done)
+        if depth <= lookup_slots:
+            slot = tree.lookup_start + depth - 1
+            y = block[:, slot]
+            tried = ~done & on_lookup & filled[:, slot] & ~accept_chain
+            # Accept with r(y) / sum(r): r stays unnormalised, so the draw is scaled instead.
+            r_y = residual.gather(1, y[:, None]).squeeze(1)
+            accept_lookup = tried & (u[:, 2 * depth - 1] * residual.sum(1) < r_y)
+            rejected = tried & ~accept_lookup
+            residual[rejected] = residual[rejected].scatter(1, y[rejected, None], 0.0)
+            # After the chain's token the lookup path lives on only where it holds the same token.
+            kept_alive = accept_chain & filled[:, slot] & (y == block[:, min(depth, chain_drafts)])
+            end = torch.where(accept_lookup, slot, end)
+            on_lookup &= accept_lookup | kept_alive
+        else:
+            on_lookup[:] = False
+        end = torch.where(accept_chain, depth, end)
+        on_chain &= accept_chain
+        ending = ~done & ~accept_chain & ~accept_lookup
+        # max(0, p - q) is zero only when p == q, where rejection has probability 0:
+        # fall back to p so rounding can never leave an empty distribution.
+        empty = residual.sum(1) <= 0
+        residual[empty] = p[empty]
+        final[ending] = residual[ending]
+        done |= ending
+        depth_reached += (accept_chain | accept_lookup).long()
+        draft_accepted += accept_chain.long()
+    # Rows whose every candidate passed draw the bonus after their path's end.
+    final[~done] = target_probs[rows, end][~done]
+    next_token = sample_rows(final, generators)
+    ancestry = tree.visibility(device)
+    return Verdict(
+        num_accepted=depth_reached,
+        next_token=next_token,
+        kept=ancestry[end],
+        path_end=end,
+        draft_accepted=draft_accepted,
+    )
+
+
 def verify_sampled(
     drafts: torch.Tensor,
     draft_probs: torch.Tensor | None,

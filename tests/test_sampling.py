@@ -15,16 +15,19 @@ from builders import EXACT_PROMPT, EXACT_VOCAB, random_prompts, reference_greedy
 from scipy.stats import chisquare
 
 from speculative import session
-from speculative.decode import DecodeConfig, spec_generate
+from speculative.decode import DecodeConfig, GenerationResult, spec_generate
 from speculative.penalties import TokenHistory, penalize
 from speculative.sampling import SamplingParams, probabilities, sample_rows
-from speculative.verify import Verdict, verify_sampled
+from speculative.tree import DraftTree
+from speculative.verify import Verdict, verify_greedy_tree, verify_sampled, verify_sampled_tree
 
 ALPHA = 1e-3
 V, PROMPT = EXACT_VOCAB, EXACT_PROMPT
 K = 3  # generated tokens whose joint distribution is checked (V**K cells)
 REDUCED_IDS = torch.tensor([0, 2, 3, 5])  # a reduced draft vocabulary: 4 of the V = 6 tokens
 ROWS = 6000
+# Ends with 1 after "1 t" for every token t: a row's first round always finds a 2-gram lookup.
+LOOKUP_PROMPT = [1, 0, 3, 1, 1, 4, 1, 2, 5, 1, 3, 2, 1, 4, 0, 1, 5, 5, 1]
 WARPS = {
     "t1": dict(temperature=1.0),
     "t0.8-k4-p0.9": dict(temperature=0.8, top_k=4, top_p=0.9),
@@ -117,16 +120,54 @@ def test_warping_and_penalties_keep_tokens_outside_a_draft_vocabulary_at_zero():
     assert not torch.isin(penalized.argmax(-1), outside).any()
 
 
+@pytest.mark.parametrize("sampled_q", [False, True])
+def test_greedy_rows_through_the_sampled_tree_equal_the_greedy_tree(sampled_q):
+    """One-hot target rows make recursive rejection sampling over the chain and
+    a lookup path commit what greedy tree verification commits: same path,
+    same following token, same split between the draft's tokens and lookup's."""
+    rows, vocab, gen = 400, 12, torch.Generator().manual_seed(4)
+    tree = DraftTree.build(4, lookup=5)
+    choices: dict[tuple[int, ...], int] = {}  # the target's argmax after each token sequence
+
+    def target_choice(path: tuple[int, ...]) -> int:
+        return choices.setdefault(path, int(torch.randint(vocab, (), generator=gen)))
+
+    block = torch.zeros(rows, tree.width, dtype=torch.long)
+    argmax = torch.zeros_like(block)
+    for row in range(rows):
+        paths: list[tuple[int, ...]] = []
+        for slot, parent in enumerate(tree.parents):
+            if parent < 0:
+                paths.append((0,))
+            else:
+                # A slot holds the target's choice after its parent 70 % of the time, so paths run
+                # deep, and lookup and chain often agree (then both paths stay alive together).
+                hit = float(torch.rand((), generator=gen)) < 0.7
+                token = target_choice(paths[parent]) if hit else int(torch.randint(vocab, (), generator=gen))
+                paths.append((*paths[parent], token))
+            block[row, slot], argmax[row, slot] = paths[slot][-1], target_choice(paths[slot])
+    valid = torch.ones(rows, tree.width, dtype=torch.bool)
+    valid[:, tree.lookup_start + 2 :] = torch.rand(rows, 1, generator=gen) < 0.5  # short lookups too
+    logits = torch.nn.functional.one_hot(argmax, vocab).float()
+    draft_probs = torch.softmax(torch.randn(rows, 3, vocab, generator=gen), -1) if sampled_q else None
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+    sampled = verify_sampled_tree(block, valid, tree, draft_probs, logits, generators)
+    greedy = verify_greedy_tree(block, valid, tree, logits)
+    for field in ("num_accepted", "next_token", "path_end", "kept", "draft_accepted"):
+        assert torch.equal(getattr(sampled, field), getattr(greedy, field)), field
+    assert greedy.num_accepted.float().mean() > 1.5 and (greedy.path_end >= tree.lookup_start).sum() > rows // 10
+
+
 # ---------------------------------------------------------------- end to end
 
 
-def exact_joint(target, params: SamplingParams, transform=None) -> torch.Tensor:
+def exact_joint(target, params: SamplingParams, transform=None, prompt=PROMPT) -> torch.Tensor:
     """P(first K generated tokens) of target-only sampling, by enumeration;
     ``transform(logits, generated)`` adjusts each prefix's logits first."""
     joint = torch.ones(1)
     for depth in range(K):
         prefixes = list(itertools.product(range(V), repeat=depth))
-        ids = torch.tensor([PROMPT + list(prefix) for prefix in prefixes])
+        ids = torch.tensor([prompt + list(prefix) for prefix in prefixes])
         with torch.no_grad():
             logits = target.model(ids).logits[:, -1:]
         if transform is not None:
@@ -137,12 +178,20 @@ def exact_joint(target, params: SamplingParams, transform=None) -> torch.Tensor:
     return joint
 
 
-def spec_joint_counts(target, draft, params: SamplingParams, proposal: str) -> tuple[torch.Tensor, float]:
+def spec_joint(
+    target, draft, params: SamplingParams, proposal: str, prompt=PROMPT, lookup: int = 0
+) -> tuple[torch.Tensor, GenerationResult]:
+    """Counts of the first K generated tokens of ROWS seeded rows [V**K], and the run."""
     rows = [SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(ROWS)]
-    config = DecodeConfig(block_size=4, max_new_tokens=K, proposal=proposal)
-    result = spec_generate(target, draft, [PROMPT] * ROWS, config, rows)
+    config = DecodeConfig(block_size=4, max_new_tokens=K, proposal=proposal, lookup=lookup)
+    result = spec_generate(target, draft, [prompt] * ROWS, config, rows)
     codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
-    return torch.bincount(codes, minlength=V**K), result.mean_acceptance_length
+    return torch.bincount(codes, minlength=V**K), result
+
+
+def spec_joint_counts(target, draft, params: SamplingParams, proposal: str) -> tuple[torch.Tensor, float]:
+    counts, result = spec_joint(target, draft, params, proposal)
+    return counts, result.mean_acceptance_length
 
 
 @pytest.mark.parametrize("warp", sorted(WARPS))
@@ -221,6 +270,40 @@ def test_the_check_detects_a_wrong_verifier(small_vocab, monkeypatch):
     params = SamplingParams(temperature=1.0)
     counts, _ = spec_joint_counts(target, drafts["bad"], params, "sample")
     assert chi_square_pvalue(counts, exact_joint(target, params)) < ALPHA
+
+
+@pytest.mark.parametrize("warp", sorted(WARPS))
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_lookup_paths_keep_sampling_exact(small_vocab, warp, proposal):
+    """Sampled rows verify an n-gram lookup path beside the chain (every row's
+    first round has one here): the output still follows the target's
+    distribution, and lookup tokens do get committed."""
+    target, drafts = small_vocab
+    params = SamplingParams(**WARPS[warp])
+    counts, result = spec_joint(target, drafts["good"], params, proposal, prompt=LOOKUP_PROMPT, lookup=4)
+    assert chi_square_pvalue(counts, exact_joint(target, params, prompt=LOOKUP_PROMPT)) > ALPHA
+    lookup_tokens = sum(r.lookup_accepted for r in result.rounds)
+    assert lookup_tokens > ROWS // 100
+
+
+def test_the_check_detects_lookup_paths_taken_without_rejection(small_vocab, monkeypatch):
+    """Power check: committing every real lookup token (a lookup path accepted
+    as greedy verification would, with no rejection) must fail the same test."""
+    target, drafts = small_vocab
+
+    def take_lookup(block, valid, tree, draft_probs, target_probs, generators):
+        verdict = verify_sampled_tree(block, valid, tree, draft_probs, target_probs, generators)
+        found = valid[:, tree.lookup_start :].sum(1)
+        end = torch.where(found > 0, tree.lookup_start + found - 1, verdict.path_end)
+        depth = tree.depths(block.device)[end]
+        rows = torch.arange(len(block))
+        ancestry = tree.visibility(block.device)
+        return Verdict(depth, target_probs[rows, end].argmax(-1), ancestry[end], end, verdict.draft_accepted)
+
+    monkeypatch.setattr(session, "verify_sampled_tree", take_lookup)
+    params = SamplingParams(temperature=1.0)
+    counts, _ = spec_joint(target, drafts["good"], params, "sample", prompt=LOOKUP_PROMPT, lookup=4)
+    assert chi_square_pvalue(counts, exact_joint(target, params, prompt=LOOKUP_PROMPT)) < ALPHA
 
 
 def test_seeded_rows_are_reproducible_and_greedy_rows_stay_exact(qwen_pair):
