@@ -143,20 +143,31 @@ def uniform_rows(generators: Sequence[torch.Generator], n: int, device: torch.de
 def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row from probs [B, V] (rows need not be normalised). A
     row with a single nonzero entry (a greedy row's one-hot) takes it without
-    a draw: ``multinomial`` over a large vocabulary costs ~2 ms a row on a CPU,
-    which made sampling a quarter of a batch-64 regeneration step."""
+    a draw."""
     tokens = probs.argmax(dim=-1)
-    drawn = ((probs > 0).sum(dim=-1) > 1).nonzero().flatten().tolist()
-    for row in drawn:
-        tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+    drawn = ((probs > 0).sum(dim=-1) > 1).nonzero().flatten()
+    if len(drawn):
+        u = uniform_rows([generators[row] for row in drawn.tolist()], 1, probs.device)
+        tokens[drawn] = inverse_cdf(probs[drawn], u[:, 0])
     return tokens
 
 
 def sample_positions(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row and position from probs [B, n, V] -> [B, n]."""
-    return torch.stack(
-        [torch.multinomial(p, 1, generator=g).squeeze(-1) for p, g in zip(probs, generators, strict=True)]
-    )
+    return inverse_cdf(probs, uniform_rows(generators, probs.shape[1], probs.device))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each distribution ``probs`` [..., V] (unnormalised) that the
+    uniform draw ``u`` [...] in [0, 1) falls on: the first whose running mass
+    exceeds u x total, so a token of mass zero is never drawn. One cumulative
+    sum and a binary search: ``multinomial`` over a 49k vocabulary cost ~1.6 ms
+    a row and position on a CPU, a tenth of a SmolLM2 step (this: ~0.08 ms)."""
+    cumulative = probs.float().cumsum(dim=-1)
+    total = cumulative[..., -1:]
+    tokens = torch.searchsorted(cumulative, u[..., None] * total, right=True).squeeze(-1)
+    # u x total can round up to the total itself: the last token with mass, where the sum reaches it.
+    return torch.minimum(tokens, (cumulative < total).sum(dim=-1))
 
 
 def suppress_early(logits: torch.Tensor, params: Sequence[SamplingParams], generated: Sequence[int]) -> torch.Tensor:

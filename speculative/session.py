@@ -114,7 +114,7 @@ class DecodeSession:
         target: TargetModel,
         draft: DFlashDraftModel | None = None,
         *,
-        proposal: Proposal = "argmax",
+        proposal: Proposal = "sample",
         compact_slack: int = DEFAULT_COMPACT_SLACK,
         in_place_cache: bool = True,
         branches: int = 1,
@@ -364,7 +364,8 @@ class DecodeSession:
         # Penalties use the committed history only, so every slot is still drafted in parallel.
         # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
         logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
-        if self.proposal == "argmax":
+        # Greedy rows' q is the one-hot of the argmax (``probabilities``): an all-greedy round skips q.
+        if self.proposal == "argmax" or self.all_greedy:
             drafts = greedy_tokens(logits)
             return drafts, None, self._alternates(logits[:, 0], drafts[:, 0]) if branching else none
         q = probabilities(logits, self.rows.params)
@@ -372,11 +373,9 @@ class DecodeSession:
 
     def _may_branch(self) -> bool:
         """Whether a round may verify the draft's runner-up tokens for its first
-        slot (``_alternates``): every row greedy with argmax proposals and free
-        of prefix-dependent adjustments (``_prefix_free``)."""
-        if self.branches == 1 or self.proposal != "argmax":
-            return False
-        return all(p.greedy for p in self.rows.params) and self._prefix_free()
+        slot (``_alternates``): every row greedy (so drafting the argmax) and
+        free of prefix-dependent adjustments (``_prefix_free``)."""
+        return self.branches > 1 and self.all_greedy and self._prefix_free()
 
     def _prefix_free(self) -> bool:
         """Whether a round may verify paths other than the chain (alternates,

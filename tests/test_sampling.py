@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 from speculative import session
 from speculative.decode import DecodeConfig, GenerationResult, spec_generate
 from speculative.penalties import TokenHistory, penalize
-from speculative.sampling import SamplingParams, probabilities, sample_rows
+from speculative.sampling import SamplingParams, inverse_cdf, probabilities, sample_rows
 from speculative.tree import DraftTree
 from speculative.verify import Verdict, verify_greedy_tree, verify_sampled, verify_sampled_tree
 
@@ -347,5 +347,17 @@ def test_a_point_mass_row_is_taken_without_a_draw():
     tokens = sample_rows(probs, generators)
     assert tokens[0] == 2 and tokens[2] == 1  # one-hot rows (unnormalised too) keep their token
     assert torch.equal(generators[0].get_state(), states[0]) and torch.equal(generators[2].get_state(), states[2])
-    expected = torch.multinomial(probs[1], 1, generator=torch.Generator().manual_seed(1))[0]
-    assert tokens[1] == expected and not torch.equal(generators[1].get_state(), states[1])
+    u = torch.rand(1, generator=torch.Generator().manual_seed(1))[0]  # row 1's draw: its generator's uniform
+    assert tokens[1] == int(u * 4) and not torch.equal(generators[1].get_state(), states[1])
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_zero():
+    probs = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.5, 0.0], [0.2, 0.0, 0.0, 0.0, 0.0, 0.8]])
+    gen = torch.Generator().manual_seed(0)
+    u = torch.rand(2, 20000, generator=gen)
+    tokens = inverse_cdf(probs[:, None].expand(2, 20000, 6), u)
+    for row in range(2):
+        assert chi_square_pvalue(torch.bincount(tokens[row], minlength=6), probs[row]) > ALPHA
+    # A draw that rounds up to the total lands on the last token with mass, not past it.
+    edge = inverse_cdf(probs, torch.tensor([1.0, 1.0]))
+    assert edge.tolist() == [4, 5]

@@ -74,7 +74,7 @@ class NativeEngineConfig:
     max_waiting: int = 64
     policy: BlockPolicy | None = None
     compact_slack: int = DEFAULT_COMPACT_SLACK
-    proposal: Proposal = "argmax"
+    proposal: Proposal = "sample"
     plain_reference_every: int = 64
     threads: int = 0
     branches: int = 1
