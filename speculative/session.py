@@ -281,12 +281,11 @@ class DecodeSession:
     def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         batch, device = self._batch(), self.target.device
         start = batch.lengths[:, None]  # the anchor's position
-        drafting = block_size > 1
+        tree_round = block_size > 1 and self._prefix_free()
         t0 = _clock(device)
-        drafts, draft_probs, alternates = self._propose(
-            start + torch.arange(block_size, device=device), drafting and self._may_branch()
-        )
-        lookup, lookup_valid = self._lookup(start, drafting and self.lookup > 0 and self._prefix_free())
+        branching = tree_round and self.branches > 1 and self.all_greedy  # alternates: greedy rows only
+        drafts, draft_probs, alternates = self._propose(start + torch.arange(block_size, device=device), branching)
+        lookup, lookup_valid = self._lookup(start, tree_round and self.lookup > 0)
         t1 = _clock(device)
         tree = DraftTree.build(block_size, alternates.shape[1], lookup.shape[1])
         block = torch.cat([self.rows.anchors[:, None], drafts, alternates, lookup], dim=1)
@@ -371,15 +370,10 @@ class DecodeSession:
         q = probabilities(logits, self.rows.params)
         return sample_positions(q, self.rows.generators), q, none
 
-    def _may_branch(self) -> bool:
-        """Whether a round may verify the draft's runner-up tokens for its first
-        slot (``_alternates``): every row greedy (so drafting the argmax) and
-        free of prefix-dependent adjustments (``_prefix_free``)."""
-        return self.branches > 1 and self.all_greedy and self._prefix_free()
-
     def _prefix_free(self) -> bool:
-        """Whether a round may verify paths other than the chain (alternates,
-        lookup): no row with penalties or early-stop suppression. A candidate
+        """Whether a drafting round may verify paths other than the chain
+        (lookup; alternates too when every row is greedy, so drafting the
+        argmax): no row with penalties or early-stop suppression. A candidate
         path's exact prefix differs from the chain's, and then no row's
         distribution depends on its prefix beyond what the target computes.
         Greedy and sampled rows alike (``verify_greedy_tree``, ``verify_sampled_tree``)."""
@@ -425,14 +419,14 @@ class DecodeSession:
         if tree.width > tree.chain:
             # Only rounds whose rows have nothing to adjust get a tree (``_prefix_free``).
             valid = torch.cat([lookup_valid.new_ones(len(block), tree.lookup_start), lookup_valid], dim=1)
-            if all(p.greedy for p in params):
+            if self.all_greedy:
                 return verify_greedy_tree(block, valid, tree, target_logits)
             target_probs = probabilities(target_logits, params)
             return verify_sampled_tree(block, valid, tree, draft_probs, target_probs, self.rows.generators)
         drafts = block[:, 1:]
         # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
         target_logits = self._adjusted(target_logits, drafts)
-        if all(p.greedy for p in params):
+        if self.all_greedy:
             return verify_greedy(drafts, target_logits)
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)
 
