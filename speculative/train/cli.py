@@ -3,6 +3,7 @@
 dflash-train target --out models/pycoder-12m                  # the bundled target LM
 dflash-train data --target models/pycoder-12m --out runs/data # target-regenerated responses
 dflash-train draft --target models/pycoder-12m --data runs/data.jsonl --out models/pycoder-12m-dflash-b16
+dflash-train assistant --target models/smollm2-135m-instruct --data runs/data.jsonl --out runs/assistant-2l
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from speculative.cliflags import add_dataclass_flags, dataclass_kwargs
+from speculative.train.assistant import AssistantTrainConfig, train_assistant
 from speculative.train.corpus import Corpus, function_pairs, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, train_draft
 from speculative.train.model_card import write_card
@@ -31,6 +33,11 @@ TARGET_CARD = LM_CARD + "The bundled target of dflash-serve."
 ASSISTANT_CARD = LM_CARD + (
     "It shares the tokenizer of {tokenizer}: an autoregressive assistant for the assisted-generation "
     "peer of dflash-bench, not a target."
+)
+CUT_ASSISTANT_CARD = (
+    "The first layers of the target above, with its final norm and tied embeddings (frozen), fine-tuned on "
+    "its regenerated responses: an autoregressive assistant with the target's tokenizer for the "
+    "assisted-generation peer of dflash-bench, not a target."
 )
 DRAFT_CARD = (
     "A DFlash draft (official checkpoint format) for the bundled target, trained on the target's own "
@@ -99,10 +106,17 @@ def main(argv: list[str] | None = None) -> None:
     draft.add_argument("--run-dir", type=Path, default=Path("runs/draft"), help="checkpoints")
     add_dataclass_flags(draft, DraftTrainConfig, PATH_FIELDS)
 
+    assistant = commands.add_parser("assistant", help="cut an assisted-generation assistant from a pretrained target")
+    assistant.add_argument("--target", type=Path, required=True, help="target model directory")
+    assistant.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
+    assistant.add_argument("--out", type=Path, required=True, help="assistant directory (transformers format)")
+    assistant.add_argument("--run-dir", type=Path, default=Path("runs/assistant"), help="checkpoints")
+    add_dataclass_flags(assistant, AssistantTrainConfig, PATH_FIELDS)
+
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
-    cfg: TargetTrainConfig | RegenerateConfig | DraftTrainConfig
+    cfg: TargetTrainConfig | RegenerateConfig | DraftTrainConfig | AssistantTrainConfig
     if command == "target":
         cfg = TargetTrainConfig(
             out_dir=args["out"], run_dir=args["run_dir"], **dataclass_kwargs(args, TargetTrainConfig, PATH_FIELDS)
@@ -125,10 +139,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         paths = dict(target_dir=args["target"], data=tuple(args["data"]), out_dir=args["out"], run_dir=args["run_dir"])
-        cfg = DraftTrainConfig(**paths, **dataclass_kwargs(args, DraftTrainConfig, PATH_FIELDS))
-        summary = train_draft(cfg)
+        if command == "assistant":
+            cfg = AssistantTrainConfig(**paths, **dataclass_kwargs(args, AssistantTrainConfig, PATH_FIELDS))
+            summary, card = train_assistant(cfg), CUT_ASSISTANT_CARD
+        else:
+            cfg = DraftTrainConfig(**paths, **dataclass_kwargs(args, DraftTrainConfig, PATH_FIELDS))
+            summary, card = train_draft(cfg), DRAFT_CARD
         if summary["finished"]:
-            write_card(cfg.out_dir, cfg.out_dir.name, DRAFT_CARD, "dflash-train " + " ".join(argv))
+            write_card(cfg.out_dir, cfg.out_dir.name, card, "dflash-train " + " ".join(argv))
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}))
 
 
