@@ -28,7 +28,7 @@ def test_bad_settings_fail_clearly(tiny_pipeline, tmp_path):
         AssistantTrainConfig(**paths, dtype="float16")
     with pytest.raises(ValueError, match="num_layers, steps and batch_size must be >= 1"):
         AssistantTrainConfig(**paths, num_layers=0)
-    with pytest.raises(ValueError, match="leaves no record"):
+    with pytest.raises(ValueError, match="leaves none of the"):
         train_assistant(AssistantTrainConfig(**paths, holdout=1000))
 
 

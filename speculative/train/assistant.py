@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from speculative.train.draft_train import collate, held_out_records, load_records
+from speculative.train.draft_train import collate, load_records, split_records
 from speculative.train.loop import ResumableRun, warmup_cosine
 
 Record = tuple[list[int], int]
@@ -118,12 +118,8 @@ def train_assistant(cfg: AssistantTrainConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.target_dir), local_files_only=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     records = load_records(cfg.data, cfg.max_length)
-    held = held_out_records(records, cfg.holdout, cfg.seed)
-    if len(held) >= len(records):
-        raise ValueError(f"--holdout {cfg.holdout} leaves no record of {len(records)} to train on")
-    held_set = set(held)
-    train = [r for i, r in enumerate(records) if i not in held_set]
-    holdout = [records[i] for i in held]
+    training, held_out = split_records(records, cfg.holdout, cfg.seed)
+    train, holdout = [records[i] for i in training], [records[i] for i in held_out]
     torch.manual_seed(cfg.seed)
     model = truncated_target(cfg.target_dir, cfg.num_layers).train()
     trainable = [p for p in model.parameters() if p.requires_grad]

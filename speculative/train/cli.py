@@ -99,19 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--time-limit-minutes", type=float, default=0.0, help="stop resumably after this long")
     add_dataclass_flags(data, RegenerateConfig, PATH_FIELDS)
 
-    draft = commands.add_parser("draft", help="train a DFlash draft on regenerated data")
-    draft.add_argument("--target", type=Path, required=True, help="target model directory")
-    draft.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
-    draft.add_argument("--out", type=Path, required=True, help="draft directory (official format)")
-    draft.add_argument("--run-dir", type=Path, default=Path("runs/draft"), help="checkpoints")
-    add_dataclass_flags(draft, DraftTrainConfig, PATH_FIELDS)
-
-    assistant = commands.add_parser("assistant", help="cut an assisted-generation assistant from a pretrained target")
-    assistant.add_argument("--target", type=Path, required=True, help="target model directory")
-    assistant.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
-    assistant.add_argument("--out", type=Path, required=True, help="assistant directory (transformers format)")
-    assistant.add_argument("--run-dir", type=Path, default=Path("runs/assistant"), help="checkpoints")
-    add_dataclass_flags(assistant, AssistantTrainConfig, PATH_FIELDS)
+    for name, purpose, out, config in (
+        ("draft", "train a DFlash draft on regenerated data", "draft directory (official format)", DraftTrainConfig),
+        (
+            "assistant",
+            "cut an assisted-generation assistant from a pretrained target",
+            "assistant directory (transformers format)",
+            AssistantTrainConfig,
+        ),
+    ):
+        trainer = commands.add_parser(name, help=purpose)
+        trainer.add_argument("--target", type=Path, required=True, help="target model directory")
+        trainer.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
+        trainer.add_argument("--out", type=Path, required=True, help=out)
+        trainer.add_argument("--run-dir", type=Path, default=Path(f"runs/{name}"), help="checkpoints")
+        add_dataclass_flags(trainer, config, PATH_FIELDS)
 
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))

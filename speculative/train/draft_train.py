@@ -152,6 +152,16 @@ def held_out_records(records: Sequence[tuple[list[int], int]], count: int, seed:
     return sorted(sorted(range(len(records)), key=rank)[:count])
 
 
+def split_records(records: Sequence[tuple[list[int], int]], holdout: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) record indices, the held-out ones ``held_out_records``;
+    a holdout of every record is refused."""
+    held_out = held_out_records(records, holdout, seed)
+    training = sorted(set(range(len(records))) - set(held_out))
+    if not training:
+        raise ValueError(f"holdout {holdout} leaves none of the {len(records)} records to train on")
+    return training, held_out
+
+
 def collate(records: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded tokens [B, S], lengths [B], response starts [B]."""
     width = max(len(t) for t, _ in records)
@@ -175,10 +185,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     draft = DFlashDraftModel(draft_config_for(target, mask_token_id(tokenizer, cfg.mask_token), cfg)).train()
     records = load_records(cfg.data, cfg.max_length)
-    held_out = held_out_records(records, cfg.holdout, cfg.seed)
-    training = sorted(set(range(len(records))) - set(held_out))
-    if not training:
-        raise ValueError(f"holdout {cfg.holdout} leaves none of the {len(records)} records to train on")
+    training, held_out = split_records(records, cfg.holdout, cfg.seed)
     features = feature_source(target, records, draft, cfg)
     if features is None:
         return {"finished": False, "stage": "features"}
