@@ -24,14 +24,19 @@ class CheckpointError(ValueError):
     """A checkpoint whose files or tensors do not match the draft it declares."""
 
 
-def save_draft(model: DFlashDraftModel, path: str | Path) -> None:
-    """Write ``config.json`` and ``model.safetensors`` into directory ``path``."""
+def save_draft(model: DFlashDraftModel, path: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` into directory ``path``,
+    floating-point weights in ``dtype`` (None: as they are; the draft
+    vocabulary map stays integer)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = dict(model.config.raw)
     raw.setdefault("architectures", ["DFlashDraftModel"])
     (path / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    tensors = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    tensors = {
+        name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().contiguous().cpu()
+        for name, t in model.state_dict().items()
+    }
     save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
 
 

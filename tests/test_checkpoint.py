@@ -89,6 +89,20 @@ def test_save_load_round_trip_is_bit_identical(tmp_path):
     assert spec_generate(target, draft, prompts, config).tokens == spec_generate(target, loaded, prompts, config).tokens
 
 
+def test_a_draft_saved_in_bf16_loads_as_the_draft_cast_to_bf16(tmp_path):
+    draft = tiny_draft(seed=3)
+    draft.set_draft_vocab(torch.arange(0, 64, 2))
+    save_draft(draft, tmp_path, dtype=torch.bfloat16)
+    full = tmp_path / "full"
+    save_draft(draft, full)
+    assert (tmp_path / "model.safetensors").stat().st_size < 0.6 * (full / "model.safetensors").stat().st_size
+    loaded = load_draft(tmp_path, dtype=torch.bfloat16)
+    expected = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in draft.state_dict().items()}
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert loaded.state_dict()["draft_vocab_ids"].dtype == torch.int64
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     tensors = official_tensors()
     names = sorted(tensors)

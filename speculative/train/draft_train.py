@@ -52,7 +52,9 @@ class DraftTrainConfig:
     drafts fed by different layers share one store). ``holdout``: records kept
     out of training (chosen by content: ``held_out_records``) whose
     teacher-forced slot accuracy is logged at each checkpoint. ``dtype``
-    bfloat16: autocast the draft (where the CPU has native bf16). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
+    bfloat16: autocast the draft (where the CPU has native bf16); ``save_dtype``
+    bfloat16 writes its weights at half the size (serving casts them to its own
+    dtype; a deeper draft stays under 50 MB). ``distill_top_k`` k > 0 with ``distill_weight`` w > 0:
     distil the target's top-k next-token distribution beside the hard labels
     (loss ``(1 - w) * CE(label) + w * CE(teacher)``; with a feature store the
     top-k is stored once beside the features). ``packed_linears``: the
@@ -93,8 +95,11 @@ class DraftTrainConfig:
     packed_linears: bool = True
     standardize_features: bool = True
     scale_records: int = 32
+    save_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.save_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"save_dtype must be float32 or bfloat16, got {self.save_dtype!r}")
         if not 0 <= self.distill_weight <= 1 or self.distill_top_k < 0:
             raise ValueError("distill_weight must be in [0, 1] and distill_top_k >= 0")
         if self.distill_weight > 0 and not self.distill_top_k:
@@ -299,7 +304,7 @@ def write_draft(
     vocabulary, the share of the training ``records``' response tokens it
     covers); returns the summary."""
     draft.eval()
-    save_draft(draft, cfg.out_dir)
+    save_draft(draft, cfg.out_dir, dtype=getattr(torch, cfg.save_dtype))
     config = {k: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in asdict(cfg).items()}
     summary = {**summary, "config": config}
     if draft.draft_vocab_ids is not None:
