@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from speculative.precision import DTYPES
 from speculative.train.draft_train import collate, load_records, split_records
 from speculative.train.loop import ResumableRun, warmup_cosine
 
@@ -60,7 +61,7 @@ class AssistantTrainConfig:
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("num_layers, steps and batch_size must be >= 1")
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
 

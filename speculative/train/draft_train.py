@@ -26,6 +26,7 @@ from speculative.chat import stop_token_ids
 from speculative.checkpoint import load_draft, save_draft
 from speculative.config import DFlashConfig, build_target_layer_ids
 from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
+from speculative.precision import DTYPES
 from speculative.target import TargetModel
 from speculative.train.draft_vocab import frequent_token_ids, response_tokens, token_coverage
 from speculative.train.feature_scale import feature_scale, folded, standardized, unfold_into
@@ -98,7 +99,7 @@ class DraftTrainConfig:
     save_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.save_dtype not in ("float32", "bfloat16"):
+        if self.save_dtype not in DTYPES:
             raise ValueError(f"save_dtype must be float32 or bfloat16, got {self.save_dtype!r}")
         if not 0 <= self.distill_weight <= 1 or self.distill_top_k < 0:
             raise ValueError("distill_weight must be in [0, 1] and distill_top_k >= 0")
@@ -304,7 +305,7 @@ def write_draft(
     vocabulary, the share of the training ``records``' response tokens it
     covers); returns the summary."""
     draft.eval()
-    save_draft(draft, cfg.out_dir, dtype=getattr(torch, cfg.save_dtype))
+    save_draft(draft, cfg.out_dir, dtype=DTYPES[cfg.save_dtype])
     config = {k: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for k, v in asdict(cfg).items()}
     summary = {**summary, "config": config}
     if draft.draft_vocab_ids is not None:
