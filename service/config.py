@@ -41,13 +41,13 @@ class ServeSettings(BaseSettings):
         default=4,
         ge=1,
         description="native engine: the draft's most likely tokens for the first drafted slot verified in one block "
-        "(greedy requests without penalties); 1: the draft's chain alone",
+        "(greedy and sampled requests without penalties); 1: the draft's chain alone",
     )
     lookup: int = Field(
         default=8,
         ge=0,
         description="native engine: n-gram lookup tokens copied from the request's own text, verified beside the "
-        "draft in one block (greedy requests without penalties); 0: none",
+        "draft in one block (greedy and sampled requests without penalties); 0: none",
     )
     drain_timeout_s: float = Field(default=60.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
     admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")

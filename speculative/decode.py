@@ -39,7 +39,7 @@ class DecodeConfig:
         from 1.16 to 1.29 (HumanEval, b3; docs/LOG.md).
     compact_slack: compact the caches once this many slots per row are wasted.
     branches: candidates verified for the first drafted slot (the draft's most
-        likely tokens; 1: the chain alone). Rounds of greedy rows without penalties only.
+        likely tokens; 1: the chain alone). Rounds of rows without penalties only.
     lookup: n-gram lookup tokens verified beside the draft (0: none;
         ``speculative.lookup``). Rounds of rows without penalties only.
     """

@@ -15,11 +15,11 @@ every row at once:
 
 A round may verify more than the chain in the same forward, as a tree of paths
 from the anchor (``speculative.tree``): an n-gram lookup continuation
-(``lookup``, ``speculative.lookup``) and, when every row is greedy, the draft's
-runner-up tokens for the first slot (``branches``); a greedy row commits the
-path the target accepts furthest, a sampled row the path recursive rejection
-sampling takes (``verify_sampled_tree``). Not for rows with penalties or
-early-stop suppression (``_prefix_free``).
+(``lookup``, ``speculative.lookup``) and the draft's runner-up tokens for the
+first slot (``branches``); a greedy row commits the path the target accepts
+furthest, a sampled row the path recursive rejection sampling takes
+(``verify_sampled_tree``). Not for rows with penalties or early-stop
+suppression (``_prefix_free``).
 
 ``b = 1`` is plain decoding; the draft's context still grows in such rounds, so
 speculation can resume at any later round.
@@ -283,7 +283,7 @@ class DecodeSession:
         start = batch.lengths[:, None]  # the anchor's position
         tree_round = block_size > 1 and self._prefix_free()
         t0 = _clock(device)
-        branching = tree_round and self.branches > 1 and self.all_greedy  # alternates: greedy rows only
+        branching = tree_round and self.branches > 1
         drafts, draft_probs, alternates = self._propose(start + torch.arange(block_size, device=device), branching)
         lookup, lookup_valid = self._lookup(start, tree_round and self.lookup > 0)
         t1 = _clock(device)
@@ -365,15 +365,15 @@ class DecodeSession:
         logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
         # Greedy rows' q is the one-hot of the argmax (``probabilities``): an all-greedy round skips q.
         if self.proposal == "argmax" or self.all_greedy:
-            drafts = greedy_tokens(logits)
-            return drafts, None, self._alternates(logits[:, 0], drafts[:, 0]) if branching else none
-        q = probabilities(logits, self.rows.params)
-        return sample_positions(q, self.rows.generators), q, none
+            drafts, q = greedy_tokens(logits), None
+        else:
+            q = probabilities(logits, self.rows.params)
+            drafts = sample_positions(q, self.rows.generators)
+        return drafts, q, self._alternates(logits[:, 0], drafts[:, 0]) if branching else none
 
     def _prefix_free(self) -> bool:
         """Whether a drafting round may verify paths other than the chain
-        (lookup; alternates too when every row is greedy, so drafting the
-        argmax): no row with penalties or early-stop suppression. A candidate
+        (lookup and alternates): no row with penalties or early-stop suppression. A candidate
         path's exact prefix differs from the chain's, and then no row's
         distribution depends on its prefix beyond what the target computes.
         Greedy and sampled rows alike (``verify_greedy_tree``, ``verify_sampled_tree``)."""
@@ -383,7 +383,7 @@ class DecodeSession:
     def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
         """The draft's next ``branches - 1`` most likely tokens for the first
         drafted slot after its draft ``first_drafts`` [B] (from ``first_logits``
-        [B, V]), verified beside the chain [B, m]."""
+        [B, V]; a sampled draft need not be the argmax), verified beside the chain [B, m]."""
         others = first_logits.scatter(-1, first_drafts[:, None], float("-inf"))
         return others.topk(self.branches - 1, dim=-1).indices
 

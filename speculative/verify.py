@@ -101,27 +101,33 @@ def verify_sampled_tree(
     target_probs: torch.Tensor,
     generators: Sequence[torch.Generator],
 ) -> Verdict:
-    """Exact speculative sampling over the chain and a lookup path
-    (``speculative.tree``; no alternates): ``block`` [B, q], ``valid`` [B, q]
-    (None: all), ``draft_probs`` [B, b-1, V] the chain's q (None: argmax
-    proposals), ``target_probs`` [B, q, V] the target's distributions after
-    each slot's path.
+    """Exact speculative sampling over the chain, the first slot's alternates
+    and a lookup path (``speculative.tree``): ``block`` [B, q], ``valid``
+    [B, q] (None: all), ``draft_probs`` [B, b-1, V] the chain's q (None:
+    argmax proposals), ``target_probs`` [B, q, V] the target's distributions
+    after each slot's path.
 
-    Recursive rejection sampling (SpecInfer's, for one sampled and one fixed
-    candidate): at each depth, with p the target's distribution after the
+    Recursive rejection sampling (SpecInfer's, for one sampled candidate and
+    fixed ones): at each depth, with p the target's distribution after the
     accepted path, the chain's draft x (drawn from q) is accepted with
     probability min(1, p(x)/q(x)) as in ``verify_sampled``; if it is rejected
-    the next distribution is r = normalize(max(0, p - q)), and the lookup
-    token y, a fixed function of the committed tokens (its "q" a point mass),
-    is accepted with probability r(y); if it is rejected too, the next token
-    is drawn from r with y removed. Each stage leaves the token's distribution
-    exactly p, so the committed tokens follow the target. Once one candidate
-    is taken the other path stays alive only while its tokens are the same."""
+    the next distribution is r = normalize(max(0, p - q)). Then each fixed
+    candidate y in turn, the lookup token and (at depth 1) the alternates, is
+    accepted with probability r(y), and if rejected removed from r (r becomes
+    normalize(r with y zeroed)). A fixed candidate may depend on x (the
+    alternates are the draft's runner-ups to x): given that x was rejected,
+    "take y with probability r(y), else draw from r without y" yields each
+    token with probability r(t) whatever y is, and r does not depend on x.
+    So each stage leaves the token's distribution exactly p, and the committed
+    tokens follow the target. Once one candidate is taken the other path stays
+    alive only while its tokens are the same; an alternate has no children, so
+    after one only the bonus follows."""
     batch, device = len(block), block.device
     rows = torch.arange(batch, device=device)
     chain_drafts, lookup_slots = tree.chain - 1, tree.lookup
     filled = valid if valid is not None else torch.ones_like(block, dtype=torch.bool)
-    u = uniform_rows(generators, 2 * max(chain_drafts, lookup_slots), device)
+    depths = max(chain_drafts, lookup_slots)
+    u = uniform_rows(generators, 2 * depths + tree.alternates, device)
     end = torch.zeros(batch, dtype=torch.long, device=device)  # the accepted path's last slot
     depth_reached, draft_accepted = torch.zeros_like(end), torch.zeros_like(end)
     # Whether the accepted path's tokens are the chain's / the lookup's (both, while they agree).
@@ -129,7 +135,7 @@ def verify_sampled_tree(
     on_lookup = torch.ones_like(on_chain)
     done = torch.zeros_like(on_chain)
     final = torch.zeros_like(target_probs[:, 0])  # each done row's distribution for its next token
-    for depth in range(1, max(chain_drafts, lookup_slots) + 1):
+    for depth in range(1, depths + 1):
         p = target_probs[rows, end]
         residual = p.clone()
         accept_chain = torch.zeros_like(done)
@@ -158,17 +164,28 @@ def verify_sampled_tree(
             on_lookup &= accept_lookup | kept_alive
         else:
             on_lookup[:] = False
+        accept_alternate = torch.zeros_like(done)
+        for slot in range(tree.chain, tree.lookup_start) if depth == 1 else ():
+            z = block[:, slot]
+            tried = ~done & ~accept_chain & ~accept_lookup & ~accept_alternate
+            r_z = residual.gather(1, z[:, None]).squeeze(1)
+            taken = tried & (u[:, 2 * depths + slot - tree.chain] * residual.sum(1) < r_z)
+            rejected = tried & ~taken
+            residual[rejected] = residual[rejected].scatter(1, z[rejected, None], 0.0)
+            end = torch.where(taken, slot, end)
+            accept_alternate |= taken
         end = torch.where(accept_chain, depth, end)
         on_chain &= accept_chain
-        ending = ~done & ~accept_chain & ~accept_lookup
+        accepted = accept_chain | accept_lookup | accept_alternate
+        ending = ~done & ~accepted
         # max(0, p - q) is zero only when p == q, where rejection has probability 0:
         # fall back to p so rounding can never leave an empty distribution.
         empty = residual.sum(1) <= 0
         residual[empty] = p[empty]
         final[ending] = residual[ending]
         done |= ending
-        depth_reached += (accept_chain | accept_lookup).long()
-        draft_accepted += accept_chain.long()
+        depth_reached += accepted.long()
+        draft_accepted += (accept_chain | accept_alternate).long()
     # Rows whose every candidate passed draw the bonus after their path's end.
     final[~done] = target_probs[rows, end][~done]
     next_token = sample_rows(final, generators)

@@ -70,6 +70,33 @@ def test_first_token_of_a_verified_block_follows_p(proposal):
     assert chi_square_pvalue(torch.bincount(first, minlength=8), p[0, 0]) > ALPHA
 
 
+@pytest.mark.parametrize("proposal", ["good", "bad"])
+def test_first_token_with_alternates_follows_p(proposal):
+    """A sampled draft x and, as in a round, the draft's runner-ups to x as
+    first-slot alternates (so they depend on x), beside a lookup token: the
+    first committed token still follows p, and alternates do get taken."""
+    g, vocab, n = torch.Generator().manual_seed(5), 8, 40000
+    p = torch.softmax(torch.randn(vocab, generator=g) * 2, dim=-1)
+    logits_q = {"good": p.log() + 0.5 * torch.randn(vocab, generator=g), "bad": -3 * p.log()}[proposal]
+    q = torch.softmax(logits_q, -1)
+    tree = DraftTree.build(2, alternates=3, lookup=1)
+    x = torch.multinomial(q.repeat(n, 1), 1, replacement=True, generator=g)[:, 0]
+    alternates = logits_q.repeat(n, 1).scatter(1, x[:, None], float("-inf")).topk(3, dim=1).indices
+    lookup = torch.full((n, 1), int(p.argsort()[-2]))  # a fixed guess: the target's second choice
+    block = torch.cat([torch.zeros(n, 1, dtype=torch.long), x[:, None], alternates, lookup], dim=1)
+    target_probs = torch.softmax(torch.randn(n, tree.width, vocab, generator=g), -1)
+    target_probs[:, 0] = p
+    generators = [torch.Generator().manual_seed(i) for i in range(n)]
+    verdict = verify_sampled_tree(block, None, tree, q.expand(n, 1, -1), target_probs, generators)
+    rows = torch.arange(n)
+    first = torch.where(verdict.num_accepted > 0, block[rows, verdict.path_end], verdict.next_token)
+    assert chi_square_pvalue(torch.bincount(first, minlength=vocab), p) > ALPHA
+    took_alternate = (verdict.path_end >= tree.chain) & (verdict.path_end < tree.lookup_start)
+    if proposal == "good":  # the bad draft's runner-ups are the target's least likely tokens
+        assert took_alternate.sum() > n // 20
+    assert torch.equal(verdict.draft_accepted, ((verdict.path_end > 0) & (verdict.path_end < tree.lookup_start)).long())
+
+
 def test_greedy_rows_through_the_sampler_equal_greedy_verification():
     logits = torch.randn(5, 4, 16)
     drafts = logits.argmax(-1)[:, :3].clone()
@@ -120,13 +147,17 @@ def test_warping_and_penalties_keep_tokens_outside_a_draft_vocabulary_at_zero():
     assert not torch.isin(penalized.argmax(-1), outside).any()
 
 
+@pytest.mark.parametrize("alternates", [0, 3])
 @pytest.mark.parametrize("sampled_q", [False, True])
-def test_greedy_rows_through_the_sampled_tree_equal_the_greedy_tree(sampled_q):
-    """One-hot target rows make recursive rejection sampling over the chain and
-    a lookup path commit what greedy tree verification commits: same path,
-    same following token, same split between the draft's tokens and lookup's."""
+def test_greedy_rows_through_the_sampled_tree_equal_the_greedy_tree(sampled_q, alternates):
+    """One-hot target rows make recursive rejection sampling over the chain,
+    first-slot alternates and a lookup path commit what greedy tree
+    verification commits: the same tokens and following token; without
+    alternates the same path and split between the draft's tokens and lookup's
+    (an alternate holding a lookup token that goes no deeper ties with it:
+    greedy takes the alternate's slot, sampling the lookup's, the same token)."""
     rows, vocab, gen = 400, 12, torch.Generator().manual_seed(4)
-    tree = DraftTree.build(4, lookup=5)
+    tree = DraftTree.build(4, alternates=alternates, lookup=5)
     choices: dict[tuple[int, ...], int] = {}  # the target's argmax after each token sequence
 
     def target_choice(path: tuple[int, ...]) -> int:
@@ -153,9 +184,18 @@ def test_greedy_rows_through_the_sampled_tree_equal_the_greedy_tree(sampled_q):
     generators = [torch.Generator().manual_seed(i) for i in range(rows)]
     sampled = verify_sampled_tree(block, valid, tree, draft_probs, logits, generators)
     greedy = verify_greedy_tree(block, valid, tree, logits)
-    for field in ("num_accepted", "next_token", "path_end", "kept", "draft_accepted"):
+    same = (
+        ("num_accepted", "next_token")
+        if alternates
+        else ("num_accepted", "next_token", "path_end", "kept", "draft_accepted")
+    )
+    for field in same:
         assert torch.equal(getattr(sampled, field), getattr(greedy, field)), field
+    for row in range(rows):
+        assert block[row][sampled.kept[row]].tolist() == block[row][greedy.kept[row]].tolist()
     assert greedy.num_accepted.float().mean() > 1.5 and (greedy.path_end >= tree.lookup_start).sum() > rows // 10
+    if alternates:
+        assert ((sampled.path_end >= tree.chain) & (sampled.path_end < tree.lookup_start)).sum() > rows // 20
 
 
 # ---------------------------------------------------------------- end to end
@@ -179,11 +219,11 @@ def exact_joint(target, params: SamplingParams, transform=None, prompt=PROMPT) -
 
 
 def spec_joint(
-    target, draft, params: SamplingParams, proposal: str, prompt=PROMPT, lookup: int = 0
+    target, draft, params: SamplingParams, proposal: str, prompt=PROMPT, lookup: int = 0, branches: int = 1
 ) -> tuple[torch.Tensor, GenerationResult]:
     """Counts of the first K generated tokens of ROWS seeded rows [V**K], and the run."""
     rows = [SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(ROWS)]
-    config = DecodeConfig(block_size=4, max_new_tokens=K, proposal=proposal, lookup=lookup)
+    config = DecodeConfig(block_size=4, max_new_tokens=K, proposal=proposal, lookup=lookup, branches=branches)
     result = spec_generate(target, draft, [prompt] * ROWS, config, rows)
     codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
     return torch.bincount(codes, minlength=V**K), result
@@ -304,6 +344,38 @@ def test_the_check_detects_lookup_paths_taken_without_rejection(small_vocab, mon
     params = SamplingParams(temperature=1.0)
     counts, _ = spec_joint(target, drafts["good"], params, "sample", prompt=LOOKUP_PROMPT, lookup=4)
     assert chi_square_pvalue(counts, exact_joint(target, params, prompt=LOOKUP_PROMPT)) < ALPHA
+
+
+@pytest.mark.parametrize("warp", sorted(WARPS))
+@pytest.mark.parametrize("proposal", ["argmax", "sample"])
+def test_first_slot_branches_keep_sampling_exact(small_vocab, warp, proposal):
+    """Sampled rows verify the draft's runner-ups for the first slot (k = 3)
+    beside the chain and a lookup path: the output still follows the target's
+    distribution, and alternates do get committed."""
+    target, drafts = small_vocab
+    params = SamplingParams(**WARPS[warp])
+    counts, result = spec_joint(target, drafts["good"], params, proposal, prompt=LOOKUP_PROMPT, lookup=4, branches=3)
+    assert chi_square_pvalue(counts, exact_joint(target, params, prompt=LOOKUP_PROMPT)) > ALPHA
+    assert sum(r.branches_taken for r in result.rounds) > ROWS // 100
+
+
+def test_the_check_detects_alternates_taken_without_rejection(small_vocab, monkeypatch):
+    """Power check: committing the first alternate whenever no candidate was
+    accepted (no rejection test for it) must fail the same test."""
+    target, drafts = small_vocab
+
+    def take_alternate(block, valid, tree, draft_probs, target_probs, generators):
+        verdict = verify_sampled_tree(block, valid, tree, draft_probs, target_probs, generators)
+        end = torch.where(verdict.num_accepted == 0, tree.chain, verdict.path_end)
+        rows = torch.arange(len(block))
+        following = sample_rows(target_probs[rows, end], generators)
+        ancestry = tree.visibility(block.device)
+        return Verdict(tree.depths(block.device)[end], following, ancestry[end], end, verdict.draft_accepted)
+
+    monkeypatch.setattr(session, "verify_sampled_tree", take_alternate)
+    params = SamplingParams(temperature=1.0)
+    counts, _ = spec_joint(target, drafts["good"], params, "sample", branches=3)
+    assert chi_square_pvalue(counts, exact_joint(target, params)) < ALPHA
 
 
 def test_seeded_rows_are_reproducible_and_greedy_rows_stay_exact(qwen_pair):
