@@ -486,7 +486,7 @@ def _round_stats(verdict: Verdict, tree: DraftTree, draft_seconds: float, verify
     by_draft = committed if verdict.draft_accepted is None else verdict.draft_accepted
     branches_taken = 0
     if verdict.path_end is not None:
-        branches_taken = int(((verdict.path_end >= tree.chain) & (verdict.path_end < tree.lookup_start)).sum())
+        branches_taken = int(tree.is_alternate(verdict.path_end).sum())
     accepted = by_draft.tolist()
     return RoundStats(
         batch_size=len(accepted),

@@ -49,6 +49,10 @@ class DraftTree:
     def lookup_start(self) -> int:
         return self.chain + self.alternates
 
+    def is_alternate(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which of ``slots`` (any shape) hold a first-slot alternate."""
+        return (slots >= self.chain) & (slots < self.lookup_start)
+
     @cached_property
     def _ancestry(self) -> torch.Tensor:
         """[q, q] bool: ``[s, t]`` is True when t is s or one of its ancestors."""

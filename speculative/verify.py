@@ -164,8 +164,9 @@ def verify_sampled_tree(
             on_lookup &= accept_lookup | kept_alive
         else:
             on_lookup[:] = False
+        # The alternates are children of the anchor: candidates at depth 1 only.
         accept_alternate = torch.zeros_like(done)
-        for slot in range(tree.chain, tree.lookup_start) if depth == 1 else ():
+        for slot in range(tree.chain, tree.lookup_start if depth == 1 else tree.chain):
             z = block[:, slot]
             tried = ~done & ~accept_chain & ~accept_lookup & ~accept_alternate
             r_z = residual.gather(1, z[:, None]).squeeze(1)

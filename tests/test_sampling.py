@@ -91,9 +91,8 @@ def test_first_token_with_alternates_follows_p(proposal):
     rows = torch.arange(n)
     first = torch.where(verdict.num_accepted > 0, block[rows, verdict.path_end], verdict.next_token)
     assert chi_square_pvalue(torch.bincount(first, minlength=vocab), p) > ALPHA
-    took_alternate = (verdict.path_end >= tree.chain) & (verdict.path_end < tree.lookup_start)
     if proposal == "good":  # the bad draft's runner-ups are the target's least likely tokens
-        assert took_alternate.sum() > n // 20
+        assert tree.is_alternate(verdict.path_end).sum() > n // 20
     assert torch.equal(verdict.draft_accepted, ((verdict.path_end > 0) & (verdict.path_end < tree.lookup_start)).long())
 
 
@@ -195,7 +194,7 @@ def test_greedy_rows_through_the_sampled_tree_equal_the_greedy_tree(sampled_q, a
         assert block[row][sampled.kept[row]].tolist() == block[row][greedy.kept[row]].tolist()
     assert greedy.num_accepted.float().mean() > 1.5 and (greedy.path_end >= tree.lookup_start).sum() > rows // 10
     if alternates:
-        assert ((sampled.path_end >= tree.chain) & (sampled.path_end < tree.lookup_start)).sum() > rows // 20
+        assert tree.is_alternate(sampled.path_end).sum() > rows // 20
 
 
 # ---------------------------------------------------------------- end to end
