@@ -359,12 +359,21 @@ class DecodeSession:
         block[:, 0] = anchors
         embeddings = self.target.embed(block) * draft.config.input_embedding_scale
         hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
+        argmax = self.proposal == "argmax" or self.all_greedy
+        if argmax and draft.draft_vocab_ids is not None and self._prefix_free():
+            # Nothing adjusts these logits and no q is needed: choose among the draft
+            # vocabulary's K columns, never scattering them into V (the scatter, topk and
+            # argmax over 49k logits were a sixth of this method on SmolLM2; docs/LOG.md).
+            reduced = draft.draft_logits(hidden[:, 1:], self.target, full_vocab=False)
+            best = greedy_tokens(reduced)
+            others = self._alternates(reduced[:, 0], best[:, 0]) if branching else none
+            return draft.draft_vocab_ids[best], None, draft.draft_vocab_ids[others]
         # Slot 0 (the anchor) is discarded; slot j predicts the token at its own position.
         # Penalties use the committed history only, so every slot is still drafted in parallel.
         # A reduced draft vocabulary leaves -inf outside it: never an argmax, zero in q.
         logits = self._adjusted(draft.draft_logits(hidden[:, 1:], self.target))
         # Greedy rows' q is the one-hot of the argmax (``probabilities``): an all-greedy round skips q.
-        if self.proposal == "argmax" or self.all_greedy:
+        if argmax:
             drafts, q = greedy_tokens(logits), None
         else:
             q = probabilities(logits, self.rows.params)
@@ -383,7 +392,8 @@ class DecodeSession:
     def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
         """The draft's next ``branches - 1`` most likely tokens for the first
         drafted slot after its draft ``first_drafts`` [B] (from ``first_logits``
-        [B, V]; a sampled draft need not be the argmax), verified beside the chain [B, m]."""
+        [B, V], or [B, K] over a draft vocabulary with drafts and alternates as
+        its indices; a sampled draft need not be the argmax), verified beside the chain [B, m]."""
         others = first_logits.scatter(-1, first_drafts[:, None], float("-inf"))
         return others.topk(self.branches - 1, dim=-1).indices
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from speculative.attention import use_grouped_attention
 from speculative.cache import growing_cache
 from speculative.masks import additive_mask, attention_allowed
 from speculative.packed import pack_linears, packing_support
@@ -46,6 +47,8 @@ class TargetModel:
         self._layer_types = tuple(getattr(self.config, "layer_types", None) or ())
         self._sliding_window = getattr(self.config, "sliding_window", None)
         self.packing = "not packed"
+        # Verify blocks attend per K/V head instead of copying the cache to every query head.
+        self.grouped_attention = use_grouped_attention(model)
 
     @classmethod
     def from_pretrained(

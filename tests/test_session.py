@@ -1,11 +1,14 @@
 """DecodeSession: rows join and leave between rounds, block size changes per
 round, and every row still gets exactly the target's greedy tokens."""
 
+import copy
 import itertools
 
 import pytest
+import torch
 from builders import random_prompts, reference_greedy
 
+from speculative.batch import draft_context
 from speculative.sampling import SamplingParams
 from speculative.session import DEFERRED_CONTEXT_LIMIT, DecodeSession
 
@@ -98,3 +101,29 @@ def test_plain_rounds_project_the_draft_context_at_the_next_drafting_round(qwen_
     for _ in range(DEFERRED_CONTEXT_LIMIT + 1):
         session.step(1)
     assert projected == [DEFERRED_CONTEXT_LIMIT]
+
+
+def test_draft_vocabulary_proposals_equal_the_full_vocabularys_choice(qwen_pair):
+    """With a draft vocabulary and nothing adjusting the logits, a round chooses
+    drafts and first-slot alternates among the K columns (no scatter into V):
+    the same tokens as the argmax and runner-ups of the full-vocabulary logits;
+    a penalised row takes the full-vocabulary path and gets them too."""
+    target, draft = qwen_pair
+    draft = copy.deepcopy(draft)
+    draft.set_draft_vocab(torch.arange(0, target.vocab_size, 3))
+    prompts = random_prompts(3, seed=40, min_len=4, max_len=12)
+    for params in (SamplingParams(), SamplingParams(repetition_penalty=1.0, frequency_penalty=0.5)):
+        session = DecodeSession(target, draft, branches=4)
+        session.add([0, 1, 2], prompts, [params] * 3)
+        positions = session.batch.lengths[:, None] + torch.arange(4)
+        with torch.inference_mode():
+            drafts, q, alternates = session._propose(positions, branching=True)
+            block = torch.full_like(positions, draft.mask_token_id)
+            block[:, 0] = session.rows.anchors
+            embeddings = target.embed(block) * draft.config.input_embedding_scale
+            batch = session.batch
+            hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
+            full = session._adjusted(draft.draft_logits(hidden[:, 1:], target))
+        assert q is None and torch.equal(drafts, full.argmax(-1))
+        assert torch.equal(alternates, full[:, 0].topk(4).indices[:, 1:])
+        assert torch.isin(torch.cat([drafts, alternates], 1), draft.draft_vocab_ids).all()
