@@ -59,7 +59,7 @@ def grouped_query_sdpa(
 def use_grouped_attention(model: PreTrainedModel) -> bool:
     """Switch ``model`` from transformers' SDPA to ``grouped_query_sdpa`` when it
     uses SDPA; returns whether the model uses it now (other implementations are left alone)."""
-    current = model.config._attn_implementation
+    current = str(model.config._attn_implementation)
     if current != "sdpa":
         return current == GROUPED_SDPA
     AttentionInterface.register(GROUPED_SDPA, grouped_query_sdpa)
