@@ -45,10 +45,15 @@ def grouped_query_sdpa(
     returns [B, q, H, d]. Cases it does not improve go to transformers' SDPA."""
     groups = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, length, dim = query.shape
-    shared_mask = attention_mask is not None and attention_mask.shape[1] == 1
-    if groups == 1 or length == 1 or not shared_mask or kwargs.get("position_bias") is not None:
+    # Only a mask shared by all heads ([B, 1, q, T]) can be repeated along the grouped rows.
+    if (
+        groups == 1
+        or length == 1
+        or attention_mask is None
+        or attention_mask.shape[1] != 1
+        or kwargs.get("position_bias") is not None
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    assert attention_mask is not None  # shared_mask
     # Head h = kv * groups + r reads K/V head kv: its query rows go to block rows r * q + i of head kv.
     grouped = query.reshape(batch, heads // groups, groups * length, dim)
     mask = attention_mask.repeat(1, 1, groups, 1)

@@ -281,10 +281,13 @@ class DecodeSession:
     def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         batch, device = self._batch(), self.target.device
         start = batch.lengths[:, None]  # the anchor's position
-        tree_round = block_size > 1 and self._prefix_free()
+        prefix_free = self._prefix_free()
+        tree_round = block_size > 1 and prefix_free
         t0 = _clock(device)
         branching = tree_round and self.branches > 1
-        drafts, draft_probs, alternates = self._propose(start + torch.arange(block_size, device=device), branching)
+        drafts, draft_probs, alternates = self._propose(
+            start + torch.arange(block_size, device=device), branching, prefix_free
+        )
         lookup, lookup_valid = self._lookup(start, tree_round and self.lookup > 0)
         t1 = _clock(device)
         tree = DraftTree.build(block_size, alternates.shape[1], lookup.shape[1])
@@ -343,11 +346,12 @@ class DecodeSession:
         return batch, out.logits[:, -1]
 
     def _propose(
-        self, positions: torch.Tensor, branching: bool
+        self, positions: torch.Tensor, branching: bool, prefix_free: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1],
         for sampled proposals their distributions q [B, b-1, V], and, when
-        ``branching``, the alternates for the first drafted slot [B, m] (``_alternates``)."""
+        ``branching``, the alternates for the first drafted slot [B, m] (``_alternates``).
+        ``prefix_free``: the round's ``_prefix_free()``, so nothing adjusts the draft's logits."""
         anchors = self.rows.anchors
         none = anchors.new_empty(len(anchors), 0)
         if positions.shape[1] == 1:
@@ -360,7 +364,7 @@ class DecodeSession:
         embeddings = self.target.embed(block) * draft.config.input_embedding_scale
         hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
         argmax = self.proposal == "argmax" or self.all_greedy
-        if argmax and draft.draft_vocab_ids is not None and self._prefix_free():
+        if argmax and draft.draft_vocab_ids is not None and prefix_free:
             # Nothing adjusts these logits and no q is needed: choose among the draft
             # vocabulary's K columns, never scattering them into V (the scatter, topk and
             # argmax over 49k logits were a sixth of this method on SmolLM2; docs/LOG.md).

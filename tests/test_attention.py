@@ -4,26 +4,23 @@ from builders import random_prompts, target_config, tiny_target
 from transformers import LlamaForCausalLM
 
 from speculative.attention import GROUPED_SDPA
+from speculative.sampling import SamplingParams
+from speculative.session import DecodeSession
 from speculative.target import TargetModel
 from speculative.tree import DraftTree
 
 
 def _verify_logits(target: TargetModel, prompts: list[list[int]], tree: DraftTree) -> torch.Tensor:
-    """Prefill left-padded ``prompts``, then verify one tree block per row."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    positions = torch.full((len(prompts), width), -1)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        positions[i, width - len(p) :] = torch.arange(len(p))
-    cache = target.new_cache(in_place=True)
+    """Prefill ``prompts`` as one left-padded batch (``DecodeSession.add``), then verify one tree block per row."""
+    session = DecodeSession(target)
+    session.add(list(range(len(prompts))), prompts, [SamplingParams()] * len(prompts))
+    batch = session.batch
+    shape, seeded = (len(prompts), tree.width), torch.Generator().manual_seed(1)
+    block = torch.randint(0, target.vocab_size, shape, generator=seeded)
+    positions = batch.lengths[:, None] + tree.depths(block.device)
     with torch.inference_mode():
-        target.forward(ids, positions, cache, positions[:, :0])
-        lengths = (positions >= 0).sum(dim=1, keepdim=True)
-        shape, seeded = (len(prompts), tree.width), torch.Generator().manual_seed(1)
-        block = torch.randint(0, target.vocab_size, shape, generator=seeded)
         return target.forward(
-            block, lengths + tree.depths(block.device), cache, positions, block_visible=tree.visibility(block.device)
+            block, positions, batch.target_cache, batch.slot_positions, block_visible=tree.visibility(block.device)
         ).logits
 
 

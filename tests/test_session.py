@@ -8,7 +8,6 @@ import pytest
 import torch
 from builders import random_prompts, reference_greedy
 
-from speculative.batch import draft_context
 from speculative.sampling import SamplingParams
 from speculative.session import DEFERRED_CONTEXT_LIMIT, DecodeSession
 
@@ -111,19 +110,21 @@ def test_draft_vocabulary_proposals_equal_the_full_vocabularys_choice(qwen_pair)
     target, draft = qwen_pair
     draft = copy.deepcopy(draft)
     draft.set_draft_vocab(torch.arange(0, target.vocab_size, 3))
+    draft_logits, hidden = draft.draft_logits, []
+
+    def recording(states, *args, **kwargs):  # keeps the draft's output states of the round
+        hidden.append(states)
+        return draft_logits(states, *args, **kwargs)
+
+    draft.draft_logits = recording
     prompts = random_prompts(3, seed=40, min_len=4, max_len=12)
     for params in (SamplingParams(), SamplingParams(repetition_penalty=1.0, frequency_penalty=0.5)):
         session = DecodeSession(target, draft, branches=4)
         session.add([0, 1, 2], prompts, [params] * 3)
         positions = session.batch.lengths[:, None] + torch.arange(4)
         with torch.inference_mode():
-            drafts, q, alternates = session._propose(positions, branching=True)
-            block = torch.full_like(positions, draft.mask_token_id)
-            block[:, 0] = session.rows.anchors
-            embeddings = target.embed(block) * draft.config.input_embedding_scale
-            batch = session.batch
-            hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
-            full = session._adjusted(draft.draft_logits(hidden[:, 1:], target))
+            drafts, q, alternates = session._propose(positions, True, session._prefix_free())
+            full = session._adjusted(draft_logits(hidden[-1], target))
         assert q is None and torch.equal(drafts, full.argmax(-1))
         assert torch.equal(alternates, full[:, 0].topk(4).indices[:, 1:])
         assert torch.isin(torch.cat([drafts, alternates], 1), draft.draft_vocab_ids).all()
