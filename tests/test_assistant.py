@@ -1,13 +1,15 @@
 """An assisted-generation assistant cut from a pretrained target: its first
-layers, fine-tuned on the target's regenerated responses, written in
-transformers format with the target's tokenizer, usable by ``generate``."""
+layers, fine-tuned on the target's regenerated responses, stored without the
+target's embeddings and loaded with them, usable by ``generate``."""
 
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from speculative.assistant import load_assistant, save_assistant
 from speculative.train.assistant import AssistantTrainConfig, batch_inputs, train_assistant, truncated_target
 from speculative.train.cli import main
 
@@ -82,14 +84,37 @@ def test_a_trained_assistant_fits_the_targets_responses_and_assists_generate(tin
     assert summary["data"]["held_out_records"] == 3
     assert "dflash-train assistant" in (out / "README.md").read_text()
 
-    assistant = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     target = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32)
+    stored = load_file(str(out / "model.safetensors"))
+    assert "model.embed_tokens.weight" not in stored and "lm_head.weight" not in stored  # the target's
+    assistant = load_assistant(out, target)
     assert assistant.config.num_hidden_layers == 1
-    assert assistant.get_input_embeddings().weight.equal(target.get_input_embeddings().weight)  # frozen
+    assert assistant.get_input_embeddings().weight.equal(target.get_input_embeddings().weight)
+    assert assistant.model.layers[0].mlp.up_proj.weight.equal(stored["model.layers.0.mlp.up_proj.weight"].float())
     assert not assistant.model.layers[0].mlp.up_proj.weight.equal(target.model.layers[0].mlp.up_proj.weight)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(str(root / "target")).get_vocab()
-    prompt = tokenizer("def add(a, b):", return_tensors="pt").input_ids
+    prompt = AutoTokenizer.from_pretrained(str(root / "target"))("def add(a, b):", return_tensors="pt").input_ids
     plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
     assisted = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=assistant)
     assert assisted.tolist() == plain.tolist()  # assisted generation is lossless in fp32
+
+
+def test_a_stored_assistant_scores_as_it_did_and_needs_a_target_that_fits(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    cut = truncated_target(root / "target", 2)
+    with torch.no_grad():
+        cut.model.layers[1].self_attn.o_proj.weight.mul_(1.5)  # as if trained
+    save_assistant(cut, tmp_path / "a", dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(str(root / "target"), dtype=torch.float32)
+    tokens = torch.tensor([[1, 5, 9, 12, 7, 3]])
+    expected = cut(input_ids=tokens).logits
+    assert load_assistant(tmp_path / "a", target)(input_ids=tokens).logits.equal(expected)
+
+    config = target.config.to_dict() | {"vocab_size": target.config.vocab_size + 8}
+    other = AutoModelForCausalLM.from_config(type(target.config).from_dict(config))
+    with pytest.raises(ValueError, match="the target's embeddings are"):
+        load_assistant(tmp_path / "a", other)
+    stored = load_file(str(tmp_path / "a" / "model.safetensors"))
+    del stored["model.norm.weight"]
+    save_file(stored, str(tmp_path / "a" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        load_assistant(tmp_path / "a", target)

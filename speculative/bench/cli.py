@@ -9,8 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from speculative.assistant import load_assistant
 from speculative.bench.datasets import DATASETS
 from speculative.bench.diagnose import diagnose, print_diagnosis
 from speculative.bench.run import TARGET_ONLY, BenchSettings, DFlashMethod, run_dflash, run_hf_generate, sweep_methods
@@ -38,12 +39,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     precision = choose_dtype(args.dtype)
     target = TargetModel.from_pretrained(args.target, dtype=precision.dtype, packed=args.packed_linears)
     draft = load_draft(args.draft, dtype=precision.dtype, packed=args.packed_linears)
-    # functools.wraps types PreTrainedModel.to with its unbound ``self`` as the first argument.
-    assistant = (
-        AutoModelForCausalLM.from_pretrained(str(args.assistant)).to(precision.dtype)  # type: ignore[arg-type]
-        if args.assistant
-        else None
-    )
+    assistant = load_assistant(args.assistant, target.model, dtype=precision.dtype) if args.assistant else None
     rows, diagnoses = [], {}
     for name in args.datasets:
         ids = user_prompt_ids(tokenizer, [p.text for p in DATASETS[name](args.limit)])

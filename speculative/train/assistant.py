@@ -12,7 +12,8 @@ what the draft costs per proposed token; unlike the draft it proposes one
 token per forward.
 
 Resumable like the other trainers (``loop.ResumableRun``); the finished model
-is written in transformers format (bf16) with the target's tokenizer. Held-out
+is written without the target's embeddings (``speculative.assistant``: a
+transformers config and every other tensor in bf16). Held-out
 records (``draft_train.held_out_records``) give its top-1 agreement with the
 target's tokens (what greedy assisted generation accepts) and its loss at each
 checkpoint.
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from speculative.assistant import save_assistant
 from speculative.precision import DTYPES
 from speculative.train.draft_train import collate, load_records, split_records
 from speculative.train.loop import ResumableRun, warmup_cosine
@@ -166,8 +168,6 @@ def train_assistant(cfg: AssistantTrainConfig) -> dict[str, Any]:
         "files": ", ".join(map(str, cfg.data)),
     }
     summary = {"finished": True, "config": {k: str(v) for k, v in asdict(cfg).items()}, "data": data, **run.state}
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(str(cfg.out_dir), safe_serialization=True)
-    tokenizer.save_pretrained(str(cfg.out_dir))
+    save_assistant(model, cfg.out_dir)
     (cfg.out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -35,9 +35,11 @@ ASSISTANT_CARD = LM_CARD + (
     "peer of dflash-bench, not a target."
 )
 CUT_ASSISTANT_CARD = (
-    "The first layers of the target above, with its final norm and tied embeddings (frozen), fine-tuned on "
-    "its regenerated responses: an autoregressive assistant with the target's tokenizer for the "
-    "assisted-generation peer of dflash-bench, not a target."
+    "The first layers of the target named in the command below, with its final norm and tied embeddings "
+    "(frozen), fine-tuned on its regenerated responses: an autoregressive assistant with the target's "
+    "tokenizer for the assisted-generation peer of dflash-bench, not a target. Stored without the target's "
+    "embeddings: load it with `speculative.assistant.load_assistant(directory, target)` "
+    "(dflash-bench --assistant does)."
 )
 DRAFT_CARD = (
     "A DFlash draft (official checkpoint format) for the bundled target, trained on the target's own "
