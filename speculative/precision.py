@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +52,7 @@ def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[str, ...]:
 
 
 def interleaved_minimum(
-    runs: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float] = time.perf_counter
+    runs: Mapping[str, Callable[[], object]], rounds: int, clock: Callable[[], float] = time.perf_counter
 ) -> dict[str, float]:
     """Seconds of each of ``runs``, timed once per round in turns, the fastest
     round's. Another process busy on the same cores (a second server starting

@@ -792,13 +792,14 @@ def test_startup_profile_seeds_step_times_for_idle_buckets(model):
 
 class _ShapeTimedSession:
     """A session stand-in whose first step at each (rows, block) shape takes 1 s
-    and later ones 10 ms; it records the block of every step."""
+    and later ones 10 ms of its fake clock ``now``; it records the block of
+    every step."""
 
     max_block_size = 16
     target = type("Target", (), {"vocab_size": 100})()
 
     def __init__(self) -> None:
-        self.rows, self.shapes, self.blocks = 0, set(), []
+        self.rows, self.shapes, self.blocks, self.now = 0, set(), [], 0.0
 
     def __len__(self) -> int:
         return self.rows
@@ -813,7 +814,8 @@ class _ShapeTimedSession:
         seconds = 0.01 if (self.rows, b) in self.shapes else 1.0
         self.shapes.add((self.rows, b))
         self.blocks.append(b)
-        return RoundStats(self.rows, b, [1] * self.rows, [0] * (b - 1), [self.rows] * (b - 1), 0.0, seconds), {}
+        self.now += seconds
+        return RoundStats(self.rows, b, [1] * self.rows, [0] * (b - 1), [self.rows] * (b - 1), 0.0, 0.0), {}
 
 
 def test_the_native_engine_profiles_its_own_session_before_it_starts(model):
@@ -853,8 +855,9 @@ def test_startup_profile_takes_block_sizes_in_turns_and_skips_first_steps():
         batch_sizes=(1, 2),
         block_sizes=(1, 4, 32),
         steps=3,
+        clock=lambda: session.now,
     )
-    assert seen == [(batch, b, 0.01) for batch in (1, 2) for _ in range(3) for b in (1, 4)]
+    assert seen == [(batch, b, pytest.approx(0.01)) for batch in (1, 2) for _ in range(3) for b in (1, 4)]
     assert session.blocks == [1, 4] * 4 * 2 and len(session) == 0
 
 

@@ -4,6 +4,7 @@ the Python reading of a ``/metrics`` page agree; the live comparison against a
 plain-decoding run is in test_prometheus.py)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -94,3 +95,33 @@ def test_the_engine_counts_only_the_tokens_requests_receive(pair):
         engine.stop()
     output = sum(v for (name, _, _), v in page(metrics).items() if name == "dflash_step_output_tokens")
     assert received == sum(limits) and output == received - len(limits)
+
+
+def test_a_step_is_charged_its_whole_wall_time_not_only_its_forwards(pair):
+    """Work the session does outside its two forwards (here a stand-in for
+    cache compaction) is part of what a step costs the server."""
+    target, draft, tokenizer = pair
+    observed = []
+    engine = NativeEngine(
+        target, draft, tokenizer, NativeEngineConfig(policy=BlockPolicy.fixed(4)), on_step=lambda *a: observed.append(a)
+    )
+    step = engine.session.step
+
+    def slower_step(block_size):
+        time.sleep(0.05)  # outside the timed forwards, as compaction is
+        return step(block_size)
+
+    engine.session.step = slower_step
+
+    async def main() -> None:
+        async for _ in engine.generate(GenerateRequest("r", (5, 40, 41), 6)):
+            pass
+
+    engine.start()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert observed
+    for stats, seconds, _ in observed:
+        assert seconds >= 0.05 + stats.draft_seconds + stats.verify_seconds

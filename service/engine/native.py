@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,14 +363,24 @@ class NativeEngine:
             if self._drafting_steps % self.config.plain_reference_every == 0:
                 b = 1  # a plain-decoding reference step (NativeEngineConfig.plain_reference_every)
         self._last_block = b
+        started = time.perf_counter()
         rounds, failed = _step_isolating(self.session, b)
+        stepping = time.perf_counter() - started
         for key in failed:
             self._running[key].send(Delta("", (), "error"))
         self._finish(failed)
-        for stats, emitted in rounds:
+        # A round costs the server more than its two forwards: cache compaction, the draft context of
+        # deferred plain steps, delivering its tokens and freeing finished rows (wider caches after
+        # drafting). Left out, they made drafting look 6-8 % cheaper than it was at 8-16 rows (docs/LOG.md,
+        # 2026-12-04). Each round gets the step's wall time in proportion to its forwards (several rounds
+        # only after a failure split the batch) and its own delivery.
+        forwards = [stats.draft_seconds + stats.verify_seconds for stats, _ in rounds]
+        for (stats, emitted), own in zip(rounds, forwards, strict=True):
+            delivering = time.perf_counter()
             output = self._deliver(emitted, stats)
+            seconds = stepping * own / (sum(forwards) or 1.0) + time.perf_counter() - delivering
             if self.on_step is not None:
-                self.on_step(stats, stats.draft_seconds + stats.verify_seconds, output)
+                self.on_step(stats, seconds, output)
 
     def _deliver(self, emitted: dict[Hashable, list[int]], stats: RoundStats | None) -> int:
         """Send each row its tokens (``emitted`` in the order of ``stats``' rows);
