@@ -244,6 +244,49 @@ def test_a_profiled_cold_start_still_learns_what_the_draft_accepts():
     assert chosen >= 6 and engine.fixed_throughput(chosen) >= 0.93 * engine.fixed_throughput(best)
 
 
+def test_a_trial_that_ends_before_any_acceptance_is_measured_runs_on():
+    # Served, a paired trial of b = 2 at one request ends after 20 steps of each
+    # block: 20 verified drafts, under min_verified. Judged there on S = 0, b = 2
+    # (1.46x a plain step) lost to plain decoding and the bucket stayed plain
+    # while the draft's S_1 of 0.6 makes b = 2 1.10x better, longer blocks more.
+    settings = ControllerSettings()
+    state = ControllerState.initial(16)
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    cold = {("1", 1): (20 * 0.030, 20.0), ("1", 4): (20 * 0.050, 20.0)}
+    first, state = decide(Observation(1.0, cold, {}, {}), state, settings)
+    assert first.table["1"] == 2 and "exploring b=2" in first.reasons["1"]
+    paired = {("1", 1): (40 * 0.030, 40.0), ("1", 2): (20 * 0.044, 20.0), ("1", 4): cold[("1", 4)]}
+    second, state = decide(Observation(2.0, paired, {1: 12.0}, {1: 20.0}), state, settings)
+    assert second.table["1"] == 2 and "until acceptance is measured" in second.reasons["1"]
+    measured = {**paired, ("1", 1): (80 * 0.030, 80.0), ("1", 2): (60 * 0.044, 60.0)}
+    third, state = decide(Observation(3.0, measured, {1: 36.0}, {1: 60.0}), state, settings)
+    assert state.decided("1") > 1 and "until" not in third.reasons["1"], third.reasons["1"]
+
+
+def test_a_bucket_borrows_the_cost_shape_of_its_nearest_buckets():
+    # Drafting grows costlier beside a plain step as the batch grows: t(1) / a
+    # is 0.9 at one row and 0.7 at 4-7. Bucket 8-15 has measured only b = 3;
+    # with the median over buckets it took the lone row's 0.9, and b = 3 (0.29
+    # tokens per row-second) beat its plain decoding (0.27), which its nearest
+    # bucket puts at 0.34. Bucket 2-3, between two, takes their mean.
+    settings = ControllerSettings(min_steps=1, min_verified=1)
+    state = ControllerState.initial(3)
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    times = {
+        ("1", 1): 0.9, ("1", 2): 1.1, ("1", 4): 1.3,  # a = 1.0, slope 0.1, t(1) / a = 0.9
+        ("4-7", 1): 1.4, ("4-7", 2): 2.2, ("4-7", 4): 2.6,  # a = 2.0, slope 0.1, t(1) / a = 0.7
+        ("8-15", 3): 5.0,
+        ("2-3", 2): 1.5,
+    }  # fmt: skip
+    cells = {cell: (100 * t, 100.0) for cell, t in times.items()}
+    survival = {k: 30.0 * 0.5 ** (k - 1) for k in range(1, 16)}
+    decision, state = decide(Observation(1.0, cells, survival, dict.fromkeys(range(1, 16), 100.0)), state, settings)
+    a = 5.0 / (1 + 0.1 * 2)
+    assert decision.goodput["8-15"][1] == pytest.approx(1 / (0.7 * a))
+    assert state.table["8-15"] == 1
+    assert decision.goodput["2-3"][1] == pytest.approx(1 / ((0.9 + 0.7) / 2 * 1.5 / 1.1))
+
+
 def test_a_start_up_profile_gives_the_shape_and_live_steps_the_level():
     # Live steps run 1.6x the profiled time (serving competes for the CPU) and
     # plain decoding is best by ~10 %. Unscaled, a live b = 1 against profiled

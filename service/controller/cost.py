@@ -6,11 +6,19 @@ in every batch bucket, fitted once per decision from the estimates.
   start-up profile scaled to the live level of its kind (plain or drafting).
 - Unmeasured drafting blocks (b >= 2) lie on a line t(b) = a + c * (b - 1)
   fitted to the bucket's measured drafting cells; with one such cell, the
-  slope c / a comes from other buckets, or ``prior_slope``.
+  slope c / a comes from the nearest buckets that have one, or ``prior_slope``.
 - Plain decoding (b = 1) runs no draft forward, so it is off that line:
-  unmeasured, it is a * t(1) / a borrowed from other buckets, or
-  ``prior_plain_ratio``; a bucket with only b = 1 measured puts its line at
-  t(1) / that ratio.
+  unmeasured, it is a * t(1) / a borrowed from the nearest buckets that have
+  it, or ``prior_plain_ratio``; a bucket with only b = 1 measured puts its
+  line at t(1) / that ratio.
+
+Borrowed from the nearest buckets, not a median over all: both numbers move
+with the batch. A drafting step verifies the block and the tree's alternates
+and lookup tokens for every row, so as the batch grows verification turns
+compute-bound and drafting costs ever more beside a plain step (served, the
+default pair's b = 1 step was 0.44x a b = 3 step at 4-7 rows). The median
+over buckets 1 and 4-7 gave a new 8-15 bucket the lone row's ratio: it kept
+drafting at 0.68x of plain decoding's throughput (docs/LOG.md, 2026-12-04 (8)).
 """
 
 from __future__ import annotations
@@ -36,12 +44,12 @@ class CostShape:
 @dataclass(frozen=True)
 class CostModel:
     """Step times per bucket: ``live`` (trusted live cells), ``measured`` (live
-    and scaled profile cells) and the ``shape`` shared with buckets that lack data."""
+    and scaled profile cells) and each bucket's borrowed ``shapes`` for what it lacks."""
 
     allowed: tuple[int, ...]
     live: dict[str, Times]
     measured: dict[str, Times]
-    shape: CostShape
+    shapes: dict[str, CostShape]
 
     @classmethod
     def fit(cls, estimates: Estimates, settings: ControllerSettings) -> CostModel:
@@ -49,8 +57,8 @@ class CostModel:
         allowed = settings.allowed
         live = {bucket: live_step_times(estimates, bucket, allowed, settings.min_steps) for bucket in BUCKETS}
         measured = {bucket: _with_profile(estimates.profile, bucket, allowed, live) for bucket in BUCKETS}
-        shape = _cost_shape(measured, settings.prior_slope, settings.prior_plain_ratio)
-        return cls(allowed, live, measured, shape)
+        shapes = _borrowed_shapes(measured, settings.prior_slope, settings.prior_plain_ratio)
+        return cls(allowed, live, measured, shapes)
 
     def step_times(self, bucket: str) -> Times:
         """Estimated step time of every allowed b in ``bucket`` (empty without
@@ -58,19 +66,20 @@ class CostModel:
         points = self.measured[bucket]
         if not points:
             return {}
+        shape = self.shapes[bucket]
         drafting = {b: t for b, t in points.items() if b > 1}
         if len(drafting) >= 2:
             a, c = _fit(drafting)
         elif drafting:
             ((b0, t0),) = drafting.items()
-            a = t0 / (1 + self.shape.slope * (b0 - 1))
-            c = a * self.shape.slope
+            a = t0 / (1 + shape.slope * (b0 - 1))
+            c = a * shape.slope
         else:
-            a = points[1] / self.shape.plain_ratio
-            c = a * self.shape.slope
+            a = points[1] / shape.plain_ratio
+            c = a * shape.slope
         floor = min(points.values()) * 0.5
         times = {b: max(floor, a + c * (b - 1)) for b in self.allowed}
-        times[1] = max(floor, a * self.shape.plain_ratio)
+        times[1] = max(floor, a * shape.plain_ratio)
         return {**times, **points}
 
     def has_own_line(self, bucket: str) -> bool:
@@ -125,18 +134,35 @@ def _profile_level(profile: dict[Cell, float], bucket: str, plain: bool, live: d
     return 1.0
 
 
-def _cost_shape(measured: dict[str, Times], prior_slope: float, prior_plain_ratio: float) -> CostShape:
-    """Medians over buckets with at least two measured drafting cells (else the priors)."""
-    slopes, ratios = [], []
-    for points in measured.values():
-        drafting = {b: t for b, t in points.items() if b > 1}
+def _borrowed_shapes(measured: dict[str, Times], prior_slope: float, prior_plain_ratio: float) -> dict[str, CostShape]:
+    """Per bucket, the slope c / a of the nearest buckets (in bucket order; two
+    at equal distance: their mean) with at least two measured drafting cells,
+    and t(1) / a of the nearest with plain decoding measured too; the priors
+    where no bucket has them. A bucket with its own line or t(1) is nearest
+    to itself."""
+    slopes: dict[int, float] = {}
+    ratios: dict[int, float] = {}
+    for i, bucket in enumerate(BUCKETS):
+        drafting = {b: t for b, t in measured[bucket].items() if b > 1}
         if len(drafting) >= 2:
             a, c = _fit(drafting)
             if a > 0:
-                slopes.append(max(0.0, c / a))
-                if 1 in points:
-                    ratios.append(points[1] / a)
-    return CostShape(_median(slopes, prior_slope), _median(ratios, prior_plain_ratio))
+                slopes[i] = max(0.0, c / a)
+                if 1 in measured[bucket]:
+                    ratios[i] = measured[bucket][1] / a
+    return {
+        bucket: CostShape(_nearest(slopes, i, prior_slope), _nearest(ratios, i, prior_plain_ratio))
+        for i, bucket in enumerate(BUCKETS)
+    }
+
+
+def _nearest(values: dict[int, float], i: int, default: float) -> float:
+    """The mean of ``values`` at the bucket indices nearest ``i`` (``default`` without any)."""
+    if not values:
+        return default
+    distance = min(abs(j - i) for j in values)
+    near = [v for j, v in values.items() if abs(j - i) == distance]
+    return sum(near) / len(near)
 
 
 def _fit(points: Times) -> tuple[float, float]:

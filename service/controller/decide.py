@@ -9,6 +9,12 @@ t(b) from the cost model (``cost``). The rules:
 
 - b = 1 (plain decoding) is always a candidate; b never exceeds the draft's block;
 - hysteresis: the table changes only for a gain above ``switch_margin``;
+- a trial of a drafting block runs on until some acceptance is measured (S_1
+  from ``min_verified`` drafts): before that every drafting block's goodput
+  rests on S = 0. A start-up profile (step times, no acceptance) sends every
+  bucket to b = 1 first, and a 20-step trial of b = 2 that ended there, on 20
+  verified drafts, put it at 0.68x of plain decoding: the lone-request bucket
+  then decoded plainly at 0.73x of b = 3's throughput (docs/LOG.md);
 - a switch to a block the bucket has not measured live is a trial first, back
   to the best block measured there unless it holds up: an estimate is not a
   measurement, and a block chosen on one must not stay chosen while it never
@@ -78,6 +84,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     costs = CostModel.fit(estimates, settings)
     goodput: dict[str, dict[int, float]] = {}
     reasons: dict[str, str] = {}
+    unmeasured_acceptance = estimates.measured_survival(1, settings.min_verified) is None
     for bucket in BUCKETS:
         current = min(state.table[bucket], max(allowed))
         times = costs.step_times(bucket)
@@ -86,8 +93,12 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
             continue
         goodput[bucket] = {b: expected_acceptance_length(survival, b, lookup) / t for b, t in times.items()}
         trial = state.exploring.get(bucket)
-        if trial is not None and bucket not in paired and not trial_done(estimates, bucket, trial, obs.time, settings):
-            reasons[bucket] = f"exploring b={trial.block} in turns with b={trial.back_to}"
+        measuring_acceptance = unmeasured_acceptance and trial is not None and trial.block > 1
+        if trial is not None and (
+            measuring_acceptance or not (bucket in paired or trial_done(estimates, bucket, trial, obs.time, settings))
+        ):
+            until = " until acceptance is measured" if measuring_acceptance else ""
+            reasons[bucket] = f"exploring b={trial.block} in turns with b={trial.back_to}{until}"
             continue
         state.exploring.pop(bucket, None)
         back_to = trial.back_to if trial is not None else current
