@@ -375,10 +375,12 @@ class NativeEngine:
         # 2026-12-04). Each round gets the step's wall time in proportion to its forwards (several rounds
         # only after a failure split the batch) and its own delivery.
         forwards = [stats.draft_seconds + stats.verify_seconds for stats, _ in rounds]
+        total = sum(forwards)
         for (stats, emitted), own in zip(rounds, forwards, strict=True):
             delivering = time.perf_counter()
             output = self._deliver(emitted, stats)
-            seconds = stepping * own / (sum(forwards) or 1.0) + time.perf_counter() - delivering
+            share = own / total if total else 1 / len(rounds)
+            seconds = stepping * share + time.perf_counter() - delivering
             if self.on_step is not None:
                 self.on_step(stats, seconds, output)
 
