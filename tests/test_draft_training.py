@@ -19,6 +19,7 @@ from speculative.checkpoint import load_draft
 from speculative.train.draft_train import (
     DraftTrainConfig,
     TargetInputs,
+    TrainingClock,
     held_out_records,
     load_records,
     mask_token_id,
@@ -167,3 +168,22 @@ def test_a_trained_draft_is_written_for_raw_features(tiny_pipeline, tmp_path):
     with torch.no_grad():
         expected = trained.context_features(raw.float() / scale)
         assert torch.allclose(load_draft(tmp_path / "draft").context_features(raw.float()), expected, atol=1e-4)
+
+
+def test_a_time_schedule_decays_the_learning_rate_over_time_and_ends_the_run(tiny_pipeline, tmp_path):
+    clock = TrainingClock(steps=10_000, warmup_ratio=0.1, schedule_s=100.0)
+    clock.seconds = 5.0
+    warming = clock.factor(1)
+    clock.seconds = 10.0
+    top = clock.factor(2)
+    clock.seconds = 55.0
+    middle = clock.factor(3)
+    clock.seconds = 99.9
+    assert 0.4 < warming < 0.6 and top == pytest.approx(1.0) and 0.4 < middle < 0.6 and clock.factor(4) < 0.01
+    assert not clock.over(99.9) and clock.over(100.0)
+    assert TrainingClock(steps=100, warmup_ratio=0.1, schedule_s=0.0).factor(55) == pytest.approx(0.5, abs=0.02)
+
+    root, _, _ = tiny_pipeline
+    summary = train_draft(tiny_config(root, tmp_path, block_size=4, epochs=1000.0, schedule_minutes=0.05))
+    assert summary["finished"] and summary["step"] < summary["steps"]  # time, not the step count, ended it
+    assert summary["seconds"] >= 3.0 and load_draft(tmp_path / "draft").block_size == 4

@@ -5,10 +5,13 @@ data identical to the target's own."""
 import dataclasses
 import json
 
+import pytest
 from builders import tiny_draft
 
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.target import TargetModel
+from speculative.train.cli import main
+from speculative.train.generate_batched import generate_batches
 from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts, regenerate_stream, row_sampling
 
 PROMPTS = [f"Explain item {i} of the json module." + " again" * (i % 5) for i in range(14)]
@@ -64,3 +67,42 @@ def test_regeneration_through_dflash_gives_the_targets_greedy_data(tiny_pipeline
     plain = {r["id"]: r for r in regenerate_stream(target, prompts, (), config)}
     spec = {r["id"]: r for r in regenerate_stream(target, prompts, (), config, draft)}
     assert spec == plain and any(len(r["response_ids"]) > 1 for r in spec.values())
+
+
+def test_the_generate_backend_gives_the_sessions_greedy_records(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    session = RegenerateConfig(max_new_tokens=16, batch_size=4, prefill_group=2)
+    batched = dataclasses.replace(session, backend="generate", batch_size=5)
+    regenerate_chat_prompts(root / "target", PROMPTS, tmp_path / "session", session, source="t")
+    meta = regenerate_chat_prompts(root / "target", PROMPTS, tmp_path / "generate", batched, source="t")
+    assert meta["finished"] and meta["backend"] == "generate"
+    by_session, by_generate = _records(tmp_path / "session.jsonl"), _records(tmp_path / "generate.jsonl")
+    assert by_generate == by_session  # left padding and one call per batch change nothing greedy decoding keeps
+    assert {r["finish_reason"] for r in by_generate.values()} <= {"stop", "length"}
+
+
+def test_the_generate_backend_groups_prompts_by_temperature_and_refuses_a_draft():
+    prompts = {i: [1] * (i % 7 + 1) for i in range(20)}
+    temperature_of = {i: 0.7 if i % 4 == 0 else 0.0 for i in prompts}
+    batches = generate_batches(prompts, temperature_of, batch_size=6, seed=0)
+    assert sorted(k for batch in batches for k in batch) == list(prompts)
+    assert all(len({temperature_of[k] for k in batch}) == 1 for batch in batches)
+    with pytest.raises(ValueError, match="target alone"):
+        RegenerateConfig(backend="generate", draft="some-draft")
+    with pytest.raises(ValueError, match="backend must be"):
+        RegenerateConfig(backend="vllm")
+
+
+def test_a_prompt_file_written_here_is_answered_by_the_data_command(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    prompts_file = tmp_path / "prompts.jsonl"
+    main(["prompts", "--out", str(prompts_file), "--limit", "30", "--seed", "4"])
+    written = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    assert len(written) == 30 and all(r["text"] and r["source"] for r in written)
+    out = tmp_path / "answered"
+    flags = ["--prompts-file", str(prompts_file), "--limit", "4", "--max-new-tokens", "6", "--backend", "generate"]
+    main(["data", "--target", str(root / "target"), "--out", str(out), *flags])
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["records"] == 4 and meta["prompt_provenance"]["seed"] == 4 and meta["backend"] == "generate"
+    answered = {r["prompt"] for r in map(json.loads, out.with_suffix(".jsonl").read_text().splitlines())}
+    assert answered == {r["text"] for r in written[:4]}

@@ -2,6 +2,8 @@
 
 dflash-train target --out models/pycoder-12m                  # the bundled target LM
 dflash-train data --target models/pycoder-12m --out runs/data # target-regenerated responses
+dflash-train prompts --limit 20000 --seed 4 --out runs/prompts.jsonl  # the mixed set, to regenerate elsewhere
+dflash-train data --target DIR --prompts-file runs/prompts.jsonl --backend generate --device cuda --out runs/gpu
 dflash-train draft --target models/pycoder-12m --data runs/data.jsonl --out models/pycoder-12m-dflash-b16
 dflash-train assistant --target models/smollm2-135m-instruct --data runs/data.jsonl --out runs/assistant-2l
 """
@@ -75,6 +77,23 @@ def corpus_prompts(family: str, limit: int, seed: int) -> list[Prompt]:
     return [Prompt(text, label) for text in (texts[:limit] if limit else texts)]
 
 
+def write_prompts(path: Path, limit: int, seed: int) -> None:
+    """The mixed prompt set as JSON lines (``text``, ``source``) with its
+    provenance in ``<path>.meta.json``: built here (the stdlib families depend on
+    this Python), answered wherever the target runs (``data --prompts-file``)."""
+    prompts = build_prompts(limit, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts))
+    path.with_suffix(".meta.json").write_text(json.dumps(provenance(prompts, seed), indent=2) + "\n")
+
+
+def read_prompts(path: Path) -> tuple[list[Prompt], dict[str, object] | None]:
+    """Prompts written by ``write_prompts`` and their provenance (None without a meta file)."""
+    prompts = [Prompt(r["text"], r["source"]) for r in map(json.loads, path.read_text().splitlines())]
+    meta = path.with_suffix(".meta.json")
+    return prompts, json.loads(meta.read_text()) if meta.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line entry point."""
     parser = argparse.ArgumentParser(
@@ -98,7 +117,15 @@ def main(argv: list[str] | None = None) -> None:
         help="functions: a signature and docstring to complete; requests: a docstring's summary as an English "
         "request; mixed: code, math, chat, writing and explanations, decontaminated against the benchmarks",
     )
+    data.add_argument(
+        "--prompts-file", type=Path, help="answer the prompts of this file (`dflash-train prompts`) instead"
+    )
     data.add_argument("--time-limit-minutes", type=float, default=0.0, help="stop resumably after this long")
+
+    prompts = commands.add_parser("prompts", help="write the mixed prompt set to a file, to regenerate elsewhere")
+    prompts.add_argument("--out", type=Path, required=True, help="prompts .jsonl (provenance beside it)")
+    prompts.add_argument("--limit", type=int, default=0, help="number of prompts (0: all)")
+    prompts.add_argument("--seed", type=int, default=0, help="which prompts and their order")
     add_dataclass_flags(data, RegenerateConfig, PATH_FIELDS)
 
     for name, purpose, out, config in (
@@ -120,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "prompts":
+        write_prompts(args["out"], args["limit"], args["seed"])
+        print(json.dumps({"prompts": str(args["out"])}))
+        return
     cfg: TargetTrainConfig | RegenerateConfig | DraftTrainConfig | AssistantTrainConfig
     if command == "target":
         cfg = TargetTrainConfig(
@@ -130,14 +161,18 @@ def main(argv: list[str] | None = None) -> None:
             write_card(cfg.out_dir, cfg.out_dir.name, lm_card(cfg), "dflash-train " + " ".join(argv))
     elif command == "data":
         cfg = RegenerateConfig(**dataclass_kwargs(args, RegenerateConfig, PATH_FIELDS))
-        prompts = corpus_prompts(args["prompts"], args["limit"], cfg.seed)
-        made = provenance(prompts, cfg.seed) if args["prompts"] == MIXED else None
+        if args["prompts_file"]:
+            chosen, made = read_prompts(args["prompts_file"])
+            chosen = chosen[: args["limit"]] if args["limit"] else chosen
+        else:
+            chosen = corpus_prompts(args["prompts"], args["limit"], cfg.seed)
+            made = provenance(chosen, cfg.seed) if args["prompts"] == MIXED else None
         summary = regenerate_chat_prompts(
             args["target"],
-            [p.text for p in prompts],
+            [p.text for p in chosen],
             args["out"],
             cfg,
-            source=[p.source for p in prompts],
+            source=[p.source for p in chosen],
             time_limit_minutes=args["time_limit_minutes"],
             provenance=made,
         )

@@ -64,7 +64,12 @@ class DraftTrainConfig:
     back to ``F.linear``). ``standardize_features``: train ``fc`` on the
     features divided by their per-channel RMS over ``scale_records`` training
     records, folded back into ``fc`` when the draft is written
-    (``speculative.train.feature_scale``)."""
+    (``speculative.train.feature_scale``). ``device``: where target and draft
+    run (``cpu``, ``cuda``). ``schedule_minutes`` > 0: the learning rate's
+    warm-up and cosine decay follow training time instead of steps, and the run
+    ends after that many minutes (or at the step count ``epochs`` gives, if
+    sooner): on a machine lent for a fixed time, the schedule ends when the
+    time does."""
 
     target_dir: Path
     data: tuple[Path, ...]
@@ -97,6 +102,8 @@ class DraftTrainConfig:
     standardize_features: bool = True
     scale_records: int = 32
     save_dtype: str = "float32"
+    device: str = "cpu"
+    schedule_minutes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.save_dtype not in DTYPES:
@@ -185,11 +192,14 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.target_dir), local_files_only=True)
     # The target runs in the training dtype too: its features (computed once, or per batch) cost the most, and
     # bf16 is what a CPU with native bf16 serves it in.
-    target = TargetModel.from_pretrained(cfg.target_dir, dtype=getattr(torch, cfg.dtype), packed=cfg.packed_linears)
+    target = TargetModel.from_pretrained(
+        cfg.target_dir, dtype=getattr(torch, cfg.dtype), device=cfg.device, packed=cfg.packed_linears
+    )
     for p in target.model.parameters():
         p.requires_grad_(False)
     torch.manual_seed(cfg.seed)
-    draft = DFlashDraftModel(draft_config_for(target, mask_token_id(tokenizer, cfg.mask_token), cfg)).train()
+    draft = DFlashDraftModel(draft_config_for(target, mask_token_id(tokenizer, cfg.mask_token), cfg))
+    draft = draft.to(cfg.device).train()
     records = load_records(cfg.data, cfg.max_length)
     training, held_out = split_records(records, cfg.holdout, cfg.seed)
     features = feature_source(target, records, draft, cfg)
@@ -213,9 +223,9 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
             unfold_into(draft, scale)
     steps = max(1, math.ceil(cfg.epochs * len(training) / cfg.batch_size))
     gamma = cfg.gamma or default_gamma(cfg.block_size)
-    warmup = max(1, int(cfg.warmup_ratio * steps))
+    clock = TrainingClock(steps, cfg.warmup_ratio, cfg.schedule_minutes * 60)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, steps, warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, clock.factor)
     generator = torch.Generator().manual_seed(cfg.seed)
     run = ResumableRun(
         cfg.run_dir / "checkpoint.pt",
@@ -229,7 +239,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     correct = torch.zeros(cfg.block_size - 1)
     counted = torch.zeros(cfg.block_size - 1)
     started, trained_tokens = run.elapsed(), 0
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    autocast = torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
 
     def score_holdout() -> dict[str, Any]:
         with autocast:
@@ -239,13 +249,14 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     if cfg.init_from and held_out and not run.state["curve"]:
         # Step 0: the source draft on this run's held-out records, the mark the continued draft has to beat.
         run.record(score_holdout())
-    while not run.finished:
+    while not run.finished and not clock.over(run.elapsed()):
         index = [training[i] for i in torch.randint(0, len(training), (cfg.batch_size,), generator=generator).tolist()]
         tokens, lengths, starts = collate([records[i] for i in index], tokenizer.pad_token_id)
         count: int | torch.Tensor = cfg.anchors_per_sequence
         if cfg.anchor_coverage:
             count = coverage_counts(lengths, starts, cfg.block_size, cfg.anchor_coverage, cfg.anchors_per_sequence)
         anchors, valid = sample_anchors(lengths, starts, count, generator)
+        tokens, lengths, anchors, valid = (t.to(cfg.device) for t in (tokens, lengths, anchors, valid))
         inputs = features(index, tokens)
         with autocast:
             out = dflash_loss(
@@ -265,12 +276,13 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        correct += out.correct
-        counted += out.counted
-        trained_tokens += int((lengths - starts).sum())
+        correct += out.correct.cpu()
+        counted += out.counted.cpu()
+        trained_tokens += int((lengths.cpu() - starts).sum())
         accuracy = correct / counted.clamp(min=1)
         run.advance(loss=f"{out.loss.item():.3f}", acc1=f"{accuracy[0]:.2f}", tau=f"{expected_tau(accuracy):.2f}")
-        if run.due():
+        clock.seconds = run.elapsed()
+        if run.due() or clock.over(clock.seconds):
             point = {
                 "loss": out.loss.item(),
                 "accuracy_per_position": [round(a, 4) for a in accuracy.tolist()],
@@ -291,6 +303,29 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
     finished = {"finished": True, "steps": steps, **run.state}
     written = draft if scale is None else folded(draft, scale)
     return write_draft(written, cfg, finished, target.vocab_size, [records[i] for i in training])
+
+
+class TrainingClock:
+    """The learning-rate factor by step, or by training time when a schedule
+    length in seconds is given (``seconds`` is set from the run each step; the
+    schedule then ends the run)."""
+
+    def __init__(self, steps: int, warmup_ratio: float, schedule_s: float) -> None:
+        self.steps, self.schedule_s, self.seconds = steps, schedule_s, 0.0
+        self.warmup = max(1, int(warmup_ratio * steps))
+        self.warmup_s = warmup_ratio * schedule_s
+
+    def factor(self, step: int) -> float:
+        """What ``LambdaLR`` multiplies the learning rate by at ``step``."""
+        if not self.schedule_s:
+            return warmup_cosine(step, self.steps, self.warmup)
+        # Per-mille of the time schedule, so the step-based curve serves both.
+        permille = int(1000 * self.seconds / self.schedule_s)
+        return warmup_cosine(permille, 1000, max(1, int(1000 * self.warmup_s / self.schedule_s)))
+
+    def over(self, seconds: float) -> bool:
+        """True once a time schedule has run its length."""
+        return bool(self.schedule_s) and seconds >= self.schedule_s
 
 
 def write_draft(
@@ -353,7 +388,7 @@ def feature_source(
     if not cfg.feature_store:
 
         def forward(_: list[int], tokens: torch.Tensor) -> TargetInputs:
-            out = target.forward_sequences(tokens, feature_layers=layers, logits=top_k > 0)
+            out = target.forward_sequences(tokens.to(target.device), feature_layers=layers, logits=top_k > 0)
             assert out.features is not None  # the forward captured the draft's layers
             if not top_k:
                 return TargetInputs(out.features)
@@ -373,10 +408,11 @@ def feature_source(
         return None
 
     def read(index: list[int], tokens: torch.Tensor) -> TargetInputs:
+        batch_features = store.batch(index, tokens.shape[1], layers).to(target.device)
         if not top_k:
-            return TargetInputs(store.batch(index, tokens.shape[1], layers))
-        ids, logprobs = store.teacher_batch(index, tokens.shape[1])
-        return TargetInputs(store.batch(index, tokens.shape[1], layers), (ids[..., :top_k], logprobs[..., :top_k]))
+            return TargetInputs(batch_features)
+        ids, logprobs = (t[..., :top_k].to(target.device) for t in store.teacher_batch(index, tokens.shape[1]))
+        return TargetInputs(batch_features, (ids, logprobs))
 
     return read
 
@@ -403,9 +439,10 @@ def heldout_accuracy(
     for i in held_out:
         tokens, lengths, starts = collate([records[i]], pad_id)
         anchors, valid = sample_anchors(lengths, starts, anchors_per_record, generator)
+        tokens, lengths, anchors, valid = (t.to(target.device) for t in (tokens, lengths, anchors, valid))
         out = dflash_loss(draft, target, tokens, features([i], tokens).features, lengths, anchors, valid, gamma)
-        correct += out.correct
-        counted += out.counted
+        correct += out.correct.cpu()
+        counted += out.counted.cpu()
     draft.train(was_training)
     return correct / counted.clamp(min=1)
 

@@ -31,6 +31,9 @@ from speculative.draft import DFlashDraftModel
 from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
 from speculative.target import TargetModel
+from speculative.train.generate_batched import generate_stream
+
+BACKENDS = ("session", "generate")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,11 @@ class RegenerateConfig:
     ``draft``/``block_size``: regenerate through DFlash itself (lossless, faster
     once a draft accepts well); empty: the target alone. ``packed_linears``:
     pack the target's (and draft's) linear weights once on a CPU (``speculative.packed``;
-    twice the batch-64 throughput on the AVX2 dev machine)."""
+    twice the batch-64 throughput on the AVX2 dev machine). ``backend``:
+    ``session`` (the project's continuous batching, for CPUs) or ``generate``
+    (transformers' ``generate`` in padded batches of ``batch_size``, for GPUs:
+    ``speculative.train.generate_batched``; the target alone). ``device``:
+    where the target runs (``cpu``, ``cuda``)."""
 
     max_new_tokens: int = 256
     batch_size: int = 32
@@ -63,6 +70,14 @@ class RegenerateConfig:
     draft: str = ""
     block_size: int = 0
     packed_linears: bool = True
+    backend: str = "session"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "generate" and self.draft:
+            raise ValueError("the generate backend runs the target alone: regenerate through a draft with the session")
 
 
 def weights_sha256(model_dir: Path) -> str:
@@ -165,8 +180,14 @@ def regenerate_chat_prompts(
     if len(sources) != len(prompts):
         raise ValueError(f"{len(sources)} sources for {len(prompts)} prompts")
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-    target = TargetModel.from_pretrained(target_dir, dtype=getattr(torch, config.dtype), packed=config.packed_linears)
-    draft = load_draft(config.draft, dtype=target.dtype, packed=config.packed_linears) if config.draft else None
+    target = TargetModel.from_pretrained(
+        target_dir, dtype=getattr(torch, config.dtype), device=config.device, packed=config.packed_linears
+    )
+    draft = (
+        load_draft(config.draft, dtype=target.dtype, device=config.device, packed=config.packed_linears)
+        if config.draft
+        else None
+    )
     encoded = user_prompt_ids(tokenizer, prompts)
     # Prompts that cannot fit a full response in the target's context are skipped.
     longest = config.max_prompt_tokens or target.context_length
@@ -186,7 +207,12 @@ def regenerate_chat_prompts(
         path.open("a") as f,
         tqdm(total=len(fits), initial=len(done), desc="regenerate", unit="prompt", mininterval=10) as progress,
     ):
-        for record in regenerate_stream(target, todo, stop, config, draft):
+        if config.backend == "generate":
+            temperatures = {k: row_sampling(k, config).temperature for k in todo}
+            records = generate_stream(target, todo, stop, config, temperatures)
+        else:
+            records = regenerate_stream(target, todo, stop, config, draft)
+        for record in records:
             record.update(prompt=prompts[record["id"]], source=sources[record["id"]])
             f.write(json.dumps(record) + "\n")
             f.flush()
