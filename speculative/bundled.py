@@ -10,4 +10,4 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_TARGET = Path("models/smollm2-135m-instruct")
-DEFAULT_DRAFT = Path("models/smollm2-135m-instruct-dflash-b4")
+DEFAULT_DRAFT = Path("models/smollm2-135m-instruct-dflash")

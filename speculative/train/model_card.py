@@ -26,6 +26,7 @@ def write_card(model_dir: Path, title: str, description: str, reproduce: str) ->
     summary = json.loads((model_dir / "training.json").read_text())
     curve = summary.get("curve", [])
     last = curve[-1] if curve else {}
+    device = summary.get("config", {}).get("device", "cpu")  # older summaries trained on CPUs only
     lines = [
         f"# {title}",
         "",
@@ -35,7 +36,7 @@ def write_card(model_dir: Path, title: str, description: str, reproduce: str) ->
         "|---|---|",
         f"| parameters | {parameter_count(model_dir) / 1e6:.2f} M |",
         f"| optimizer steps | {summary.get('step', '-')} |",
-        f"| training time | {summary.get('seconds', 0) / 60:.1f} min (2-core CPU) |",
+        f"| training time | {summary.get('seconds', 0) / 60:.1f} min (device: {device}) |",
     ]
     lines += [
         f"| final {k.replace('_', ' ')} | {v:.4g} |" for k, v in last.items() if isinstance(v, float) and k != "seconds"
