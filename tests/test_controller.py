@@ -674,11 +674,11 @@ def test_loop_decides_as_soon_as_it_starts():
 
 
 def test_loop_decides_often_while_a_trial_runs():
-    ticks = []
+    ticks, steps = [], [0.0]
 
     def observe(now):
         ticks.append(now)
-        return Observation(now, {}, {}, {})
+        return Observation(now, {("8-15", 16): (0.01 * steps[0], steps[0])}, {}, {})
 
     def loop_with(interval_s: float, trial_interval_s: float) -> ControllerLoop:
         return ControllerLoop(
@@ -692,6 +692,12 @@ def test_loop_decides_often_while_a_trial_runs():
         )
 
     loop = loop_with(3600.0, 0.02)
+    assert loop.next_wait_s() == 0.02  # no step time known yet: a fresh start is watched closely
+    loop.tick()  # the baseline
+    steps[0] = 40.0
+    loop.tick()  # "8-15" measured
+    loop.tick()  # and idle since
+    loop.state.exploring.clear()
     assert loop.next_wait_s() == 3600.0
     loop.state.exploring["1"] = Trial(
         block=2, back_to=16, since=time.monotonic() - 7200, samples_at_start=0.0, **UNPAIRED
@@ -714,10 +720,14 @@ def test_loop_decides_often_while_an_old_trial_fills():
     # when traffic returns; it is still judged on the fast cadence while its
     # bucket decodes, and on the slow one once the bucket is idle again.
     now = [10_000.0]
-    steps = {"8-15": 0.0, "1": 0.0}
+    steps = {"8-15": 0.0, "1": 0.0, "8-15 at b16": 0.0}
 
     def observe(at):
-        cells = {("8-15", 2): (0.01 * steps["8-15"], steps["8-15"]), ("1", 16): (0.01 * steps["1"], steps["1"])}
+        cells = {
+            ("8-15", 2): (0.01 * steps["8-15"], steps["8-15"]),
+            ("8-15", 16): (0.01 * steps["8-15 at b16"], steps["8-15 at b16"]),
+            ("1", 16): (0.01 * steps["1"], steps["1"]),
+        }
         return Observation(at, cells, {}, {})
 
     loop = ControllerLoop(
@@ -731,14 +741,53 @@ def test_loop_decides_often_while_an_old_trial_fills():
         clock=lambda: now[0],
     )
     loop.tick()  # the baseline
+    for primed in (40, 0):  # "8-15" measured at b16, then idle
+        now[0] += 0.5
+        steps["8-15 at b16"] += primed
+        loop.tick()
     loop.state.exploring["8-15"] = Trial(block=2, back_to=16, since=now[0] - 60, samples_at_start=0.0, **UNPAIRED)
     assert loop.next_wait_s() == 10.0
-    for bucket, expected in (("8-15", 0.5), ("1", 10.0)):
+    # "1" has no step times of its own: while it decodes it is watched closely too.
+    for bucket, expected in (("8-15", 0.5), ("1", 0.5), (None, 10.0)):
         now[0] += 0.5
-        steps[bucket] += 3  # fewer than min_steps: the trial stays open
+        if bucket is not None:
+            steps[bucket] += 3  # fewer than min_steps: the trial stays open, "1" stays unmeasured
         loop.tick()
         assert "8-15" in loop.state.exploring
         assert loop.next_wait_s() == expected
+
+
+def test_loop_decides_often_until_step_times_arrive():
+    # A fresh server runs the draft's full block until a decision moves it: the
+    # loop looks on the fast cadence until the bucket that decodes is measured.
+    now = [0.0]
+    steps = [0.0]
+
+    def observe(at):
+        return Observation(at, {("1", 16): (0.05 * steps[0], steps[0])}, {}, {})
+
+    loop = ControllerLoop(
+        observe,
+        lambda policy: None,
+        ControllerSettings(),
+        16,
+        ControllerMetrics(CollectorRegistry()),
+        interval_s=10.0,
+        trial_interval_s=0.5,
+        clock=lambda: now[0],
+    )
+    assert loop.next_wait_s() == 0.5
+    loop.tick()  # the baseline
+    assert loop.next_wait_s() == 0.5  # still nothing measured, nothing decoding
+    now[0] += 0.5
+    steps[0] += 3  # decoding, fewer steps than min_steps
+    assert loop.tick().reasons["1"] == "no measurements" and loop.next_wait_s() == 0.5
+    now[0] += 0.5
+    steps[0] += 40
+    assert not loop.tick().reasons["1"].startswith("no measurements")
+    now[0] += 25.0  # idle since: any trial it started is old and its bucket quiet
+    loop.tick()
+    assert loop.next_wait_s() == 10.0
 
 
 def test_loop_retries_a_failed_push():

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from service import metric_names as names
-from service.controller.decide import ControllerState, Decision, decide
+from service.controller.decide import NO_MEASUREMENTS, ControllerState, Decision, decide
 from service.controller.estimates import Observation
 from service.controller.settings import ControllerSettings
 from service.controller.source import SourceError
@@ -56,7 +56,10 @@ class ControllerLoop:
     trial ends once its window has enough steps; waiting out a whole interval
     would run a block the controller already found worse for most of it). A
     trial whose bucket is idle is judged on the slow cadence: looking more
-    often would only cost.
+    often would only cost. The fast cadence also holds until the first step
+    times arrive, and while a bucket without step times of its own decodes: a
+    fresh server runs the draft's full block until a decision moves it, and
+    with only the slow cadence that could last a whole interval.
     ``counters_from_zero``: the observed counters started with this controller
     (in-process), so the first observation holds what ran before it, the
     start-up profile, kept as the step-time shape; otherwise (a replica's
@@ -85,6 +88,7 @@ class ControllerLoop:
         self.trial_interval_s = min(interval_s, trial_interval_s or interval_s)
         self.pushed: BlockPolicy | None = None
         self._decoded: set[str] = set()  # buckets that decoded between the last two observations
+        self._unmeasured: set[str] = set(BUCKETS)  # buckets the last decision had no step times for
         self._pushed_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dflash-controller", daemon=True)
@@ -105,6 +109,7 @@ class ControllerLoop:
             log.exception("controller decision failed; keeping the last policy")
             return None
         self._decoded = {b for b, seconds in self.state.estimates.busy.items() if seconds > busy.get(b, 0.0)}
+        self._unmeasured = {b for b, reason in decision.reasons.items() if reason.startswith(NO_MEASUREMENTS)}
         self.metrics.export(decision)
         changed = decision.policy != self.pushed
         stale = self.repush_s is not None and self.clock() - self._pushed_at >= self.repush_s
@@ -121,13 +126,15 @@ class ControllerLoop:
 
     def next_wait_s(self) -> float:
         """Seconds until the next decision: shorter while a trial is young or
-        its bucket is decoding."""
+        its bucket is decoding, before any step time is known, and while a
+        bucket with none decodes."""
         now = self.clock()
         filling = any(
             now - trial.since < self.interval_s or bucket in self._decoded
             for bucket, trial in self.state.exploring.items()
         )
-        return self.trial_interval_s if filling else self.interval_s
+        measuring = self._unmeasured >= set(BUCKETS) or bool(self._unmeasured & self._decoded)
+        return self.trial_interval_s if filling or measuring else self.interval_s
 
     def start(self) -> None:
         self._thread.start()
