@@ -715,6 +715,20 @@ def test_loop_decides_often_while_a_trial_runs():
     assert loop_with(1.0, 5.0).trial_interval_s == 1.0
 
 
+def fake_clock_loop(observe, now: list[float]) -> ControllerLoop:
+    """A loop on a fake clock (``now[0]``): decisions every 10 s, every 0.5 s on the fast cadence."""
+    return ControllerLoop(
+        observe,
+        lambda policy: None,
+        ControllerSettings(),
+        16,
+        ControllerMetrics(CollectorRegistry()),
+        interval_s=10.0,
+        trial_interval_s=0.5,
+        clock=lambda: now[0],
+    )
+
+
 def test_loop_decides_often_while_an_old_trial_fills():
     # A trial that began while its bucket was idle is past its first interval
     # when traffic returns; it is still judged on the fast cadence while its
@@ -730,16 +744,7 @@ def test_loop_decides_often_while_an_old_trial_fills():
         }
         return Observation(at, cells, {}, {})
 
-    loop = ControllerLoop(
-        observe,
-        lambda policy: None,
-        ControllerSettings(),
-        16,
-        ControllerMetrics(CollectorRegistry()),
-        interval_s=10.0,
-        trial_interval_s=0.5,
-        clock=lambda: now[0],
-    )
+    loop = fake_clock_loop(observe, now)
     loop.tick()  # the baseline
     for primed in (40, 0):  # "8-15" measured at b16, then idle
         now[0] += 0.5
@@ -766,16 +771,7 @@ def test_loop_decides_often_until_step_times_arrive():
     def observe(at):
         return Observation(at, {("1", 16): (0.05 * steps[0], steps[0])}, {}, {})
 
-    loop = ControllerLoop(
-        observe,
-        lambda policy: None,
-        ControllerSettings(),
-        16,
-        ControllerMetrics(CollectorRegistry()),
-        interval_s=10.0,
-        trial_interval_s=0.5,
-        clock=lambda: now[0],
-    )
+    loop = fake_clock_loop(observe, now)
     assert loop.next_wait_s() == 0.5
     loop.tick()  # the baseline
     assert loop.next_wait_s() == 0.5  # still nothing measured, nothing decoding
