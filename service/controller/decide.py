@@ -41,9 +41,6 @@ from service.controller.trials import Trial, record_paired_trials, stale_candida
 from service.metric_names import BUCKETS, bucket_min_batch
 from speculative.policy import BlockPolicy
 
-NO_MEASUREMENTS = "no measurements"
-"""How the reason of a bucket without step times of its own begins."""
-
 
 @dataclass
 class ControllerState:
@@ -92,7 +89,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         current = min(state.table[bucket], max(allowed))
         times = costs.step_times(bucket)
         if not times:
-            state.table[bucket], reasons[bucket] = current, NO_MEASUREMENTS
+            state.table[bucket], reasons[bucket] = current, "no measurements"
             continue
         goodput[bucket] = {b: expected_acceptance_length(survival, b, lookup) / t for b, t in times.items()}
         trial = state.exploring.get(bucket)
@@ -176,4 +173,4 @@ def _seed_unmeasured(state: ControllerState, reasons: dict[str, str], goodput: d
         if bucket not in goodput:
             source = BUCKETS[min(measured, key=lambda j: (abs(j - i), j))]
             state.table[bucket] = state.decided(source)
-            reasons[bucket] = f"{NO_MEASUREMENTS}: b={state.table[bucket]} from bucket {source}"
+            reasons[bucket] = f"no measurements: b={state.table[bucket]} from bucket {source}"

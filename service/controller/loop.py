@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from service import metric_names as names
-from service.controller.decide import NO_MEASUREMENTS, ControllerState, Decision, decide
+from service.controller.decide import ControllerState, Decision, decide
 from service.controller.estimates import Observation
 from service.controller.settings import ControllerSettings
 from service.controller.source import SourceError
@@ -109,7 +109,7 @@ class ControllerLoop:
             log.exception("controller decision failed; keeping the last policy")
             return None
         self._decoded = {b for b, seconds in self.state.estimates.busy.items() if seconds > busy.get(b, 0.0)}
-        self._unmeasured = {b for b, reason in decision.reasons.items() if reason.startswith(NO_MEASUREMENTS)}
+        self._unmeasured = set(BUCKETS) - decision.goodput.keys()  # goodput is estimated where step times are
         self.metrics.export(decision)
         changed = decision.policy != self.pushed
         stale = self.repush_s is not None and self.clock() - self._pushed_at >= self.repush_s

@@ -256,6 +256,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         if cfg.anchor_coverage:
             count = coverage_counts(lengths, starts, cfg.block_size, cfg.anchor_coverage, cfg.anchors_per_sequence)
         anchors, valid = sample_anchors(lengths, starts, count, generator)
+        batch_tokens = int((lengths - starts).sum())  # before the move: no device sync for a count
         tokens, lengths, anchors, valid = (t.to(cfg.device) for t in (tokens, lengths, anchors, valid))
         inputs = features(index, tokens)
         with autocast:
@@ -278,7 +279,7 @@ def train_draft(cfg: DraftTrainConfig) -> dict[str, Any]:
         scheduler.step()
         correct += out.correct.cpu()
         counted += out.counted.cpu()
-        trained_tokens += int((lengths.cpu() - starts).sum())
+        trained_tokens += batch_tokens
         accuracy = correct / counted.clamp(min=1)
         run.advance(loss=f"{out.loss.item():.3f}", acc1=f"{accuracy[0]:.2f}", tau=f"{expected_tau(accuracy):.2f}")
         clock.seconds = run.elapsed()
@@ -313,15 +314,14 @@ class TrainingClock:
     def __init__(self, steps: int, warmup_ratio: float, schedule_s: float) -> None:
         self.steps, self.schedule_s, self.seconds = steps, schedule_s, 0.0
         self.warmup = max(1, int(warmup_ratio * steps))
-        self.warmup_s = warmup_ratio * schedule_s
+        self.warmup_permille = max(1, int(1000 * warmup_ratio))
 
     def factor(self, step: int) -> float:
         """What ``LambdaLR`` multiplies the learning rate by at ``step``."""
         if not self.schedule_s:
             return warmup_cosine(step, self.steps, self.warmup)
         # Per-mille of the time schedule, so the step-based curve serves both.
-        permille = int(1000 * self.seconds / self.schedule_s)
-        return warmup_cosine(permille, 1000, max(1, int(1000 * self.warmup_s / self.schedule_s)))
+        return warmup_cosine(int(1000 * self.seconds / self.schedule_s), 1000, self.warmup_permille)
 
     def over(self, seconds: float) -> bool:
         """True once a time schedule has run its length."""
