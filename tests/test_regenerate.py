@@ -106,3 +106,16 @@ def test_a_prompt_file_written_here_is_answered_by_the_data_command(tiny_pipelin
     assert meta["records"] == 4 and meta["prompt_provenance"]["seed"] == 4 and meta["backend"] == "generate"
     answered = {r["prompt"] for r in map(json.loads, out.with_suffix(".jsonl").read_text().splitlines())}
     assert answered == {r["text"] for r in written[:4]}
+
+
+def test_a_generate_run_stopped_by_its_time_limit_keeps_the_batch_it_made(tiny_pipeline, tmp_path):
+    root, _, _ = tiny_pipeline
+    config = RegenerateConfig(max_new_tokens=12, batch_size=5, backend="generate")
+    stopped = regenerate_chat_prompts(
+        root / "target", PROMPTS, tmp_path / "part", config, source="t", time_limit_minutes=1e-9
+    )
+    assert not stopped["finished"] and stopped["records"] in (4, 5)  # one whole batch of 5, 5, 4, not one record
+    resumed = regenerate_chat_prompts(root / "target", PROMPTS, tmp_path / "part", config, source="t")
+    whole = regenerate_chat_prompts(root / "target", PROMPTS, tmp_path / "whole", config, source="t")
+    assert resumed["finished"] and _records(tmp_path / "part.jsonl") == _records(tmp_path / "whole.jsonl")
+    assert whole["records"] == len(PROMPTS)

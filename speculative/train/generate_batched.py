@@ -14,7 +14,7 @@ alone, unlike the session backend's.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,9 +57,11 @@ def generate_stream(
     stop_token_ids: tuple[int, ...],
     config: RegenerateConfig,
     temperature_of: Mapping[int, float],
+    until: Callable[[], bool] = lambda: False,
 ) -> Iterator[dict[str, Any]]:
     """Yield one record per prompt, a batch at a time (fields as
-    ``regenerate_stream``'s); ``temperature_of``: each prompt's temperature."""
+    ``regenerate_stream``'s); ``temperature_of``: each prompt's temperature;
+    no further batch starts once ``until()`` is true."""
     device = target.device
     for batch in generate_batches(prompts, temperature_of, config.batch_size, config.seed):
         temperature = temperature_of[batch[0]]
@@ -88,3 +90,5 @@ def generate_stream(
                 "finish_reason": finish or "length",
                 "temperature": temperature,
             }
+        if until():  # checked after a batch: every run makes progress
+            return

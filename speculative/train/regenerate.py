@@ -201,6 +201,10 @@ def regenerate_chat_prompts(
     todo = {i: encoded[i] for i in fits if i not in done}
     stop = stop_token_ids(tokenizer)
     started = time.monotonic()
+
+    def out_of_time() -> bool:
+        return bool(time_limit_minutes) and time.monotonic() - started > time_limit_minutes * 60
+
     new_tokens = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with (
@@ -209,7 +213,7 @@ def regenerate_chat_prompts(
     ):
         if config.backend == "generate":
             temperatures = {k: row_sampling(k, config).temperature for k in todo}
-            records = generate_stream(target, todo, stop, config, temperatures)
+            records = generate_stream(target, todo, stop, config, temperatures, until=out_of_time)
         else:
             records = regenerate_stream(target, todo, stop, config, draft)
         for record in records:
@@ -220,7 +224,9 @@ def regenerate_chat_prompts(
             new_tokens += len(record["response_ids"])
             progress.update(1)
             progress.set_postfix(tok_s=f"{new_tokens / (time.monotonic() - started):.0f}")
-            if time_limit_minutes and time.monotonic() - started > time_limit_minutes * 60:
+            # A generate batch has run whole when its first record arrives: it stops before the next batch
+            # instead, and every record it made is kept rather than redone on resumption.
+            if config.backend == "session" and out_of_time():
                 break
     finished = len(done) == len(fits)
     meta = {
