@@ -3,6 +3,7 @@
 dflash-train target --out models/pycoder-12m                  # the bundled target LM
 dflash-train data --target models/pycoder-12m --out runs/data # target-regenerated responses
 dflash-train prompts --limit 20000 --seed 4 --out runs/prompts.jsonl  # the mixed set, to regenerate elsewhere
+dflash-train prompts --written-by DIR --limit 20000 --out runs/own.jsonl  # prompts the target writes itself
 dflash-train data --target DIR --prompts-file runs/prompts.jsonl --backend generate --device cuda --out runs/gpu
 dflash-train draft --target models/pycoder-12m --data runs/data.jsonl --out models/pycoder-12m-dflash-b16
 dflash-train assistant --target models/smollm2-135m-instruct --data runs/data.jsonl --out runs/assistant-2l
@@ -16,12 +17,14 @@ import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from speculative.cliflags import add_dataclass_flags, dataclass_kwargs
 from speculative.train.assistant import AssistantTrainConfig, train_assistant
 from speculative.train.corpus import Corpus, function_pairs, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, train_draft
 from speculative.train.model_card import write_card
+from speculative.train.prompt_writer import WriterConfig, write_own_prompts
 from speculative.train.prompts import Prompt, build_prompts, provenance
 from speculative.train.regenerate import RegenerateConfig, regenerate_chat_prompts
 from speculative.train.target_lm import TargetTrainConfig, train_target
@@ -77,14 +80,12 @@ def corpus_prompts(family: str, limit: int, seed: int) -> list[Prompt]:
     return [Prompt(text, label) for text in (texts[:limit] if limit else texts)]
 
 
-def write_prompts(path: Path, limit: int, seed: int) -> None:
-    """The mixed prompt set as JSON lines (``text``, ``source``) with its
-    provenance in ``<path>.meta.json``: built here (the stdlib families depend on
-    this Python), answered wherever the target runs (``data --prompts-file``)."""
-    prompts = build_prompts(limit, seed)
+def write_prompts(path: Path, prompts: list[Prompt], made: dict[str, object]) -> None:
+    """Prompts as JSON lines (``text``, ``source``) with their provenance in
+    ``<path>.meta.json``, to be answered wherever the target runs (``data --prompts-file``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": p.text, "source": p.source}) + "\n" for p in prompts))
-    path.with_suffix(".meta.json").write_text(json.dumps(provenance(prompts, seed), indent=2) + "\n")
+    path.with_suffix(".meta.json").write_text(json.dumps(made, indent=2) + "\n")
 
 
 def read_prompts(path: Path) -> tuple[list[Prompt], dict[str, object] | None]:
@@ -92,6 +93,16 @@ def read_prompts(path: Path) -> tuple[list[Prompt], dict[str, object] | None]:
     prompts = [Prompt(r["text"], r["source"]) for r in map(json.loads, path.read_text().splitlines())]
     meta = path.with_suffix(".meta.json")
     return prompts, json.loads(meta.read_text()) if meta.is_file() else None
+
+
+def prompt_set(args: dict[str, Any]) -> tuple[list[Prompt], dict[str, object]]:
+    """``dflash-train prompts``' set and its provenance: written by the target
+    (``--written-by``) or the mixed templated set."""
+    if args["written_by"]:
+        writer = WriterConfig(**dataclass_kwargs(args, WriterConfig))
+        return write_own_prompts(args["written_by"], args["limit"], args["seed"], writer)
+    prompts = build_prompts(args["limit"], args["seed"])
+    return prompts, provenance(prompts, args["seed"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,10 +133,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     data.add_argument("--time-limit-minutes", type=float, default=0.0, help="stop resumably after this long")
 
-    prompts = commands.add_parser("prompts", help="write the mixed prompt set to a file, to regenerate elsewhere")
+    prompts = commands.add_parser(
+        "prompts", help="write the mixed prompt set, or prompts the target writes itself, to a file"
+    )
     prompts.add_argument("--out", type=Path, required=True, help="prompts .jsonl (provenance beside it)")
-    prompts.add_argument("--limit", type=int, default=0, help="number of prompts (0: all)")
+    prompts.add_argument("--limit", type=int, default=0, help="number of prompts (0: all; with --written-by: asked)")
     prompts.add_argument("--seed", type=int, default=0, help="which prompts and their order")
+    prompts.add_argument(
+        "--written-by",
+        type=Path,
+        help="this target model directory writes the prompts (user turns sampled from its chat template)",
+    )
+    add_dataclass_flags(prompts, WriterConfig)
     add_dataclass_flags(data, RegenerateConfig, PATH_FIELDS)
 
     for name, purpose, out, config in (
@@ -148,8 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command == "prompts":
-        write_prompts(args["out"], args["limit"], args["seed"])
-        print(json.dumps({"prompts": str(args["out"])}))
+        if args["written_by"] and not args["limit"]:
+            parser.error("prompts --written-by needs --limit (how many prompts to ask the target for)")
+        written, about = prompt_set(args)
+        write_prompts(args["out"], written, about)
+        print(json.dumps({"prompts": str(args["out"]), "count": len(written)}))
         return
     cfg: TargetTrainConfig | RegenerateConfig | DraftTrainConfig | AssistantTrainConfig
     if command == "target":

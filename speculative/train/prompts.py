@@ -58,6 +58,13 @@ benchmarks is code (HumanEval); the shares roughly follow the pool sizes, so a
 built set keeps them up to about 39,000 prompts (of about 43,000)."""
 
 
+DECONTAMINATION = {
+    "rule": f"drop a prompt sharing a {NGRAM}-gram of lowercased words with a benchmark prompt",
+    "benchmarks": ["humaneval prompts", "mt-bench turns"],
+}
+"""The rule as provenance files state it."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One user message and the family it came from."""
@@ -156,8 +163,7 @@ def provenance(prompts: list[Prompt], seed: int) -> dict[str, object]:
         "shares": SHARES,
         "available": {family: len(pools.prompts[family]) for family in SHARES},
         "decontamination": {
-            "rule": f"drop a prompt sharing a {NGRAM}-gram of lowercased words with a benchmark prompt",
-            "benchmarks": ["humaneval prompts", "mt-bench turns"],
+            **DECONTAMINATION,
             "dropped": sum(pools.dropped.values()),
             "dropped_per_source": pools.dropped,
         },

@@ -15,7 +15,7 @@ import json
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,23 @@ def regenerate_stream(
             }
 
 
+def backend_stream(
+    target: TargetModel,
+    prompts: Mapping[int, Sequence[int]],
+    stop_token_ids: tuple[int, ...],
+    config: RegenerateConfig,
+    draft: DFlashDraftModel | None = None,
+    until: Callable[[], bool] = lambda: False,
+) -> Iterator[dict[str, Any]]:
+    """Records for ``prompts`` (token ids, keyed) from ``config.backend``:
+    ``generate_stream`` (which starts no batch once ``until()`` is true) or
+    ``regenerate_stream`` (the caller stops reading it)."""
+    if config.backend == "generate":
+        temperatures = {k: row_sampling(k, config).temperature for k in prompts}
+        return generate_stream(target, prompts, stop_token_ids, config, temperatures, until=until)
+    return regenerate_stream(target, prompts, stop_token_ids, config, draft)
+
+
 def regenerate(
     target: TargetModel,
     prompts: Sequence[list[int]],
@@ -211,12 +228,7 @@ def regenerate_chat_prompts(
         path.open("a") as f,
         tqdm(total=len(fits), initial=len(done), desc="regenerate", unit="prompt", mininterval=10) as progress,
     ):
-        if config.backend == "generate":
-            temperatures = {k: row_sampling(k, config).temperature for k in todo}
-            records = generate_stream(target, todo, stop, config, temperatures, until=out_of_time)
-        else:
-            records = regenerate_stream(target, todo, stop, config, draft)
-        for record in records:
+        for record in backend_stream(target, todo, stop, config, draft, until=out_of_time):
             record.update(prompt=prompts[record["id"]], source=sources[record["id"]])
             f.write(json.dumps(record) + "\n")
             f.flush()
