@@ -58,14 +58,15 @@ class SimulatedEngine:
     draft_cost: float = 0.0
     contention: float = 1.0  # live steps over the same steps timed alone (the start-up profile)
     lookup: float = 0.0  # tokens n-gram lookup paths add per drafting row-round
+    lookup_until: int = 0  # blocks this long or longer get none: their chain commits it already (0: no such block)
     slope: dict[int, float] = field(default_factory=lambda: dict(SLOPE))
     now: float = 0.0
     committed: float = 0.0
     step_seconds: dict = field(default_factory=dict)
     accepted: dict = field(default_factory=dict)
     verified: dict = field(default_factory=dict)
-    lookup_accepted: float = 0.0
-    drafting_rows: float = 0.0
+    lookup_accepted: dict = field(default_factory=dict)
+    drafting_rows: dict = field(default_factory=dict)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def profiled_step_time(self, batch: int, b: int) -> float:
@@ -74,8 +75,11 @@ class SimulatedEngine:
     def step_time(self, batch: int, b: int) -> float:
         return self.profiled_step_time(batch, b) * self.contention
 
+    def lookup_tokens(self, b: int) -> float:
+        return 0.0 if self.lookup_until and b >= self.lookup_until else self.lookup
+
     def tokens_per_step(self, batch: int, b: int) -> float:
-        return batch * expected_acceptance_length([self.alpha**k for k in range(1, 16)], b, self.lookup)
+        return batch * expected_acceptance_length([self.alpha**k for k in range(1, 16)], b, self.lookup_tokens(b))
 
     def tick(self, table: dict[str, int], seconds: float = 10.0, turns: dict[str, int] | None = None) -> Observation:
         """``seconds`` of serving ``table``; a bucket in ``turns`` alternates its
@@ -98,10 +102,10 @@ class SimulatedEngine:
                     self.verified[k] = self.verified.get(k, 0.0) + steps * batch
                     self.accepted[k] = self.accepted.get(k, 0.0) + steps * batch * self.alpha**k
                 if b > 1:
-                    self.drafting_rows += steps * batch
-                    self.lookup_accepted += steps * batch * self.lookup
+                    self.drafting_rows[b] = self.drafting_rows.get(b, 0.0) + steps * batch
+                    self.lookup_accepted[b] = self.lookup_accepted.get(b, 0.0) + steps * batch * self.lookup_tokens(b)
         counters = dict(self.step_seconds), dict(self.accepted), dict(self.verified)
-        return Observation(self.now, *counters, self.lookup_accepted, self.drafting_rows)
+        return Observation(self.now, *counters, dict(self.lookup_accepted), dict(self.drafting_rows))
 
     def fixed_throughput(self, b: int) -> float:
         """Tokens per second of this load served at a fixed block size."""
@@ -256,11 +260,35 @@ def test_a_trial_that_ends_before_any_acceptance_is_measured_runs_on():
     first, state = decide(Observation(1.0, cold, {}, {}), state, settings)
     assert first.table["1"] == 2 and "exploring b=2" in first.reasons["1"]
     paired = {("1", 1): (40 * 0.030, 40.0), ("1", 2): (20 * 0.044, 20.0), ("1", 4): cold[("1", 4)]}
-    second, state = decide(Observation(2.0, paired, {1: 12.0}, {1: 20.0}), state, settings)
+    second, state = decide(Observation(2.0, paired, {1: 12.0}, {1: 20.0}, {2: 0.0}, {2: 20.0}), state, settings)
     assert second.table["1"] == 2 and "until acceptance is measured" in second.reasons["1"]
     measured = {**paired, ("1", 1): (80 * 0.030, 80.0), ("1", 2): (60 * 0.044, 60.0)}
-    third, state = decide(Observation(3.0, measured, {1: 36.0}, {1: 60.0}), state, settings)
+    third, state = decide(Observation(3.0, measured, {1: 36.0}, {1: 60.0}, {2: 0.0}, {2: 60.0}), state, settings)
     assert state.decided("1") > 1 and "until" not in third.reasons["1"], third.reasons["1"]
+
+
+def test_a_trial_runs_on_until_its_own_lookup_tokens_are_measured():
+    # Served on MT-Bench: a fresh server's b16 steps measured S_1 = 0.4 and no lookup tokens (its
+    # 15-token chain commits what lookup paths would); plain decoding won and a paired trial of
+    # b = 2 (1.8x a plain step) ended after 26 steps, under min_verified row-rounds at b = 2. Priced
+    # by b = 16's lookup, b = 2 lost (1.4 / 1.8) and the lone request decoded plainly for the whole
+    # run. Its own lookup, 0.6 tokens a row-round, makes b = 2 1.11x plain decoding.
+    settings = ControllerSettings()
+    state = ControllerState.initial(16)
+    state.estimates.baseline = Observation(0.0, {}, {}, {})
+    accepted, verified = {k: 60.0 * 0.4**k for k in range(1, 16)}, dict.fromkeys(range(1, 16), 60.0)
+    cells = {("1", 16): (60 * 0.060, 60.0), ("1", 1): (30 * 0.020, 30.0)}
+    first, state = decide(Observation(1.0, cells, accepted, verified, {16: 0.0}, {16: 60.0}), state, settings)
+    assert state.decided("1") == 1 and first.table["1"] == 2, first.reasons["1"]  # a trial of b = 2
+    for now, steps, lookup_tokens in ((2.0, 26, 16.0), (3.0, 60, 36.0)):
+        cells = {**cells, ("1", 1): ((30 + steps) * 0.020, 30.0 + steps), ("1", 2): (steps * 0.036, float(steps))}
+        accepted[1], verified[1] = 24.0 + 0.4 * steps, 60.0 + steps
+        obs = Observation(now, cells, dict(accepted), dict(verified), {16: 0.0, 2: lookup_tokens}, {16: 60.0, 2: steps})
+        decision, state = decide(obs, state, settings)
+        if steps < settings.min_verified:
+            assert "until acceptance is measured" in decision.reasons["1"] and state.exploring["1"].block == 2
+    assert state.estimates.lookup_tokens(2, settings.min_verified) == pytest.approx(0.6, rel=1e-3)
+    assert state.decided("1") > 1, decision.reasons["1"]
 
 
 def test_a_bucket_borrows_the_cost_shape_of_its_nearest_buckets():
@@ -344,7 +372,35 @@ def test_tokens_lookup_adds_to_drafting_rounds_count_towards_their_goodput(looku
     best = max(settings.allowed, key=lambda b: engine.fixed_throughput(b))
     assert (best > 1) == (lookup > 0)
     assert state.decided("1") == best
-    assert state.estimates.lookup_tokens(settings.min_verified) == pytest.approx(lookup)
+    assert state.estimates.lookup_tokens(best, settings.min_verified) == pytest.approx(lookup if best > 1 else 0)
+
+
+def test_lookup_tokens_are_priced_per_block_so_the_starts_long_blocks_do_not_hide_them():
+    """A long chain already commits what a lookup path would, so lookup adds
+    nothing at b16 and 0.8 tokens a row-round at short blocks. A server starts
+    at the draft's b16: those rounds must not price lookup at nothing for every
+    block (the lone-request bucket then stayed on plain decoding, docs/LOG.md),
+    and the controller settles on the short block that pays."""
+    settings = ControllerSettings()
+    engine = SimulatedEngine(batches=(1,), alpha=0.15, draft_cost=0.3, lookup=0.8, lookup_until=8)
+    best = max(settings.allowed, key=lambda b: engine.fixed_throughput(b))
+    assert 1 < best < 8 and engine.fixed_throughput(best) > 1.2 * engine.fixed_throughput(1)
+    state, _ = run(engine, settings, ticks=60, start_b=16)
+    assert state.decided("1") == best
+    estimates = state.estimates
+    assert estimates.lookup_tokens(16, settings.min_verified) == 0.0
+    assert estimates.lookup_tokens(best, settings.min_verified) == pytest.approx(0.8)
+    assert estimates.lookup_tokens(1, settings.min_verified) == 0.0
+
+
+def test_an_unmeasured_block_reads_lookup_tokens_from_the_nearest_measured_one():
+    estimates = Estimates()
+    estimates.update(Observation(0.0, {}, {}, {}), half_life_s=60.0)
+    assert estimates.lookup_tokens(4, min_verified=10) == 0.0  # nothing measured
+    estimates.update(Observation(1.0, {}, {}, {}, {2: 50.0, 16: 0.0, 6: 3.0}, {2: 100.0, 16: 400.0, 6: 5.0}), 60.0)
+    assert estimates.lookup_tokens(3, min_verified=10) == pytest.approx(0.5)  # b2; b6 has too few rows
+    assert estimates.lookup_tokens(9, min_verified=10) == pytest.approx(0.5)  # b2 and b16 are 7 away: the smaller
+    assert estimates.lookup_tokens(12, min_verified=10) == 0.0
 
 
 def test_survival_never_rises_and_a_lucky_tail_is_not_stretched_over_the_block():
@@ -380,11 +436,11 @@ def test_a_block_chosen_on_an_estimate_is_a_trial_until_measured_here():
     state.estimates.profile = {("1", b): t for b, t in {1: 0.008, 2: 0.012, 4: 0.0125, 8: 0.014, 16: 0.02}.items()}
     state.estimates.baseline = Observation(0.0, {}, {}, {})
     cells = {("1", 1): (1.0, 100.0), ("1", 2): (1.45, 100.0)}  # 10 ms and 14.5 ms per step
-    first, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}), state, settings)
+    first, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}, {}, {2: 100.0}), state, settings)
     assert first.goodput["1"][4] == pytest.approx(1.075 * first.goodput["1"][1], rel=0.01)
     assert first.table["1"] == 4 and state.decided("1") == 1 and "a trial" in first.reasons["1"]
     measured = {**cells, ("1", 4): (1.67, 100.0)}  # 16.7 ms: 3 % below plain decoding
-    second, state = decide(Observation(2.0, measured, {1: 40.0}, {1: 100.0}), state, settings)
+    second, state = decide(Observation(2.0, measured, {1: 40.0}, {1: 100.0}, {}, {2: 100.0, 4: 100.0}), state, settings)
     assert second.table["1"] == 1, second.reasons["1"]
 
 
@@ -418,11 +474,11 @@ def test_a_bucket_without_live_steps_drafts_only_as_a_trial_against_plain_decodi
     assert decision.table["4-7"] == 1 and "4-7" not in state.exploring  # plain decoding needs no trial
     seen_at_batch_1 = {("1", 2): (0.55, 100.0)}
     survival = ({1: 35.0}, {1: 100.0})
-    decision, state = decide(Observation(1.0, seen_at_batch_1, *survival), state, settings)
+    decision, state = decide(Observation(1.0, seen_at_batch_1, *survival, {}, {2: 100.0}), state, settings)
     assert decision.table["4-7"] == 2 and "a trial, back to b=1" in decision.reasons["4-7"]
     assert decision.policy.alternates[decision.policy.min_batch.index(4)] == 1
     paired = {**seen_at_batch_1, ("4-7", 2): (0.9, 50.0), ("4-7", 1): (0.5, 50.0)}  # in turns: 18 vs 10 ms
-    decision, state = decide(Observation(2.0, paired, *survival), state, settings)
+    decision, state = decide(Observation(2.0, paired, *survival, {}, {2: 350.0}), state, settings)
     assert decision.table["4-7"] == 1 and "4-7" not in state.exploring, decision.reasons["4-7"]
 
 
@@ -434,7 +490,7 @@ def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     state = ControllerState.initial(1)
     state.estimates.baseline = Observation(0.0, {}, {}, {})
     cells = {("1", 1): (1.0, 100.0), ("1", 2): (1.5, 100.0)}
-    _, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}), state, settings)
+    _, state = decide(Observation(1.0, cells, {1: 40.0}, {1: 100.0}, {}, {2: 100.0}), state, settings)
     state.exploring["1"] = Trial(
         block=2,
         back_to=1,
@@ -445,10 +501,10 @@ def test_a_trial_of_a_block_measured_before_needs_min_steps_fresh_steps():
     )
     state.table["1"] = 2
     few = {**cells, ("1", 2): (1.575, 105.0)}
-    decision, state = decide(Observation(1.5, few, {1: 42.0}, {1: 105.0}), state, settings)
+    decision, state = decide(Observation(1.5, few, {1: 42.0}, {1: 105.0}, {}, {2: 105.0}), state, settings)
     assert decision.reasons["1"] == "exploring b=2 in turns with b=1"
     enough = {**cells, ("1", 2): (1.8, 120.0)}
-    decision, state = decide(Observation(2.0, enough, {1: 48.0}, {1: 120.0}), state, settings)
+    decision, state = decide(Observation(2.0, enough, {1: 48.0}, {1: 120.0}, {}, {2: 120.0}), state, settings)
     assert "1" not in state.exploring and decision.table["1"] == 1, decision.reasons["1"]
     # A cell never trusted keeps the steps of an earlier, unfinished trial.
     state.exploring["1"] = Trial(block=4, back_to=1, since=2.0, samples_at_start=15.0, **UNPAIRED)
@@ -845,7 +901,7 @@ def test_observation_from_metric_objects_equals_the_rendered_text():
     assert direct == observation_from_text([generate_latest(metrics.registry).decode()], now=3.0)
     assert direct.step_seconds[("2-3", 8)] == (pytest.approx(0.5), 7.0) and direct.accepted[1] == 5.0
     # Lookup tokens and the drafting row-rounds (7 steps of 1 and of 3 rows) they came from; b = 1 rows are not.
-    assert (direct.lookup_accepted, direct.drafting_rows) == (4.0, 28.0)
+    assert (direct.lookup_accepted, direct.drafting_rows) == ({4: 1.0, 8: 3.0}, {4: 7.0, 8: 21.0})
 
 
 def test_startup_profile_seeds_step_times_for_idle_buckets(model):

@@ -4,14 +4,17 @@ settings) to a block-size policy table and the next state.
 Per batch-size bucket it maximises goodput G(B, b) = B * E[tau(b)] / t(B, b);
 B is fixed inside a bucket, so E[tau(b)] / t(b) decides. E[tau(b)] = 1 +
 sum_{k<b} S_k comes from the survival per draft position (``estimates``),
-plus, for b > 1, the tokens n-gram lookup paths added per drafting row-round,
-t(b) from the cost model (``cost``). The rules:
+plus, for b > 1, the tokens n-gram lookup paths added per drafting row-round
+at the nearest measured block, t(b) from the cost model (``cost``). The rules:
 
 - b = 1 (plain decoding) is always a candidate; b never exceeds the draft's block;
 - hysteresis: the table changes only for a gain above ``switch_margin``;
 - a trial of a drafting block runs on until some acceptance is measured (S_1
-  from ``min_verified`` drafts): before that every drafting block's goodput
-  rests on S = 0. A start-up profile (step times, no acceptance) sends every
+  from ``min_verified`` drafts) and its own lookup tokens (``min_verified``
+  row-rounds at that block): before that every drafting block's goodput
+  rests on S = 0, and the trial block's on another block's lookup (a 26-step
+  trial of b = 2 priced by b = 16's nothing sent a lone request back to plain
+  decoding for a whole run, docs/LOG.md 2026-12-05 (12)). A start-up profile (step times, no acceptance) sends every
   bucket to b = 1 first, and a 20-step trial of b = 2 that ended there, on 20
   verified drafts, put it at 0.68x of plain decoding: the lone-request bucket
   then decoded plainly at 0.73x of b = 3's throughput (docs/LOG.md);
@@ -80,7 +83,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
     allowed = settings.allowed
     survival = estimates.survival_curve(max(allowed) - 1, settings.min_verified)
     reachable = estimates.survival_upper_bound(max(allowed) - 1, settings.min_verified)
-    lookup = estimates.lookup_tokens(settings.min_verified)
+    lookup = {b: estimates.lookup_tokens(b, settings.min_verified) for b in allowed}
     costs = CostModel.fit(estimates, settings)
     goodput: dict[str, dict[int, float]] = {}
     reasons: dict[str, str] = {}
@@ -91,9 +94,13 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
         if not times:
             state.table[bucket], reasons[bucket] = current, "no measurements"
             continue
-        goodput[bucket] = {b: expected_acceptance_length(survival, b, lookup) / t for b, t in times.items()}
+        goodput[bucket] = {b: expected_acceptance_length(survival, b, lookup[b]) / t for b, t in times.items()}
         trial = state.exploring.get(bucket)
-        measuring_acceptance = unmeasured_acceptance and trial is not None and trial.block > 1
+        measuring_acceptance = (
+            trial is not None
+            and trial.block > 1
+            and (unmeasured_acceptance or not estimates.lookup_measured(trial.block, settings.min_verified))
+        )
         if trial is not None and (
             measuring_acceptance or not (bucket in paired or trial_done(estimates, bucket, trial, obs.time, settings))
         ):
@@ -112,7 +119,7 @@ def decide(obs: Observation, state: ControllerState, settings: ControllerSetting
             state.exploring[bucket] = start_trial(estimates, bucket, state.table[bucket], fallback, obs)
             reasons[bucket] += f"; not run here yet: a trial, back to b={fallback} unless it holds up"
             continue
-        best_case = {b: expected_acceptance_length(reachable, b, lookup) / t for b, t in times.items()}
+        best_case = {b: expected_acceptance_length(reachable, b, lookup[b]) / t for b, t in times.items()}
         explore = stale_candidate(
             estimates,
             settings,

@@ -77,7 +77,7 @@ def query_prometheus(base_url: str, now: float, timeout: float = 5.0) -> Observa
         STEP_COUNT: f"sum by (block_size, batch_bucket) ({STEP_COUNT})",
         ACCEPTED: f"sum by (position) ({ACCEPTED})",
         VERIFIED: f"sum by (position) ({VERIFIED})",
-        LOOKUP: f"sum({LOOKUP})",
+        LOOKUP: f"sum by (block_size) ({LOOKUP})",
         ROWS: f"sum by (block_size) ({ROWS})",
     }
     counts = _Counts()
@@ -132,8 +132,8 @@ class _Counts:
     steps: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     accepted: dict[int, float] = field(default_factory=dict)
     verified: dict[int, float] = field(default_factory=dict)
-    lookup_accepted: float = 0.0
-    drafting_rows: float = 0.0
+    lookup_accepted: dict[int, float] = field(default_factory=dict)
+    drafting_rows: dict[int, float] = field(default_factory=dict)
 
     def fold(self, name: str, labels: dict[str, str], value: float) -> None:
         if not math.isfinite(value) or value < 0:
@@ -147,9 +147,11 @@ class _Counts:
         elif name == VERIFIED:
             self.verified[int(labels["position"])] = self.verified.get(int(labels["position"]), 0.0) + value
         elif name == LOOKUP:
-            self.lookup_accepted += value
+            b = int(labels["block_size"])
+            self.lookup_accepted[b] = self.lookup_accepted.get(b, 0.0) + value
         elif name == ROWS and int(labels["block_size"]) > 1:
-            self.drafting_rows += value
+            b = int(labels["block_size"])
+            self.drafting_rows[b] = self.drafting_rows.get(b, 0.0) + value
 
     def observation(self, now: float) -> Observation:
         steps = {cell: (total, count) for cell, (total, count) in self.steps.items()}
