@@ -49,6 +49,11 @@ class ServeSettings(BaseSettings):
         description="native engine: n-gram lookup tokens copied from the request's own text, verified beside the "
         "draft in one block (greedy and sampled requests without penalties); 0: none",
     )
+    lookup_table: bool = Field(
+        default=True,
+        description="native engine: where a greedy request's own text has no n-gram match, lookup continues from the "
+        "draft's table of the target's frequent phrasing (ngram_table.safetensors beside the draft, if it ships one)",
+    )
     drain_timeout_s: float = Field(default=60.0, ge=0, description="seconds to finish in-flight work on SIGTERM")
     admin_key: str | None = Field(default=None, description="enables /admin/policy with 'Bearer <key>'")
     controller: bool = Field(default=True, description="adapt the block size to load in-process")

@@ -2,7 +2,8 @@
 ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``),
 tensors named as in the published drafts, no embedding and no LM head. A draft
 with a reduced draft vocabulary adds one int64 tensor, ``draft_vocab_ids``, and
-``dflash_config.draft_vocab_size`` in its config."""
+``dflash_config.draft_vocab_size`` in its config. A corpus n-gram table for
+lookup paths may ship beside the weights (``speculative.ngram_table``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 
 from speculative.config import DFlashConfig
 from speculative.draft import VOCAB_IDS_NAME, DFlashDraftModel
+from speculative.ngram_table import TABLE_NAME, NgramTable
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -49,7 +51,8 @@ def load_draft(
 ) -> DFlashDraftModel:
     """Load a draft from a local directory with strict name and shape checks;
     a draft vocabulary map must match the config's ``draft_vocab_size`` and be
-    valid (sorted, distinct, in the vocabulary). ``packed``: for serving,
+    valid (sorted, distinct, in the vocabulary); an n-gram table beside the
+    weights must be for the same vocabulary. ``packed``: for serving,
     its linear weights packed once where the device and dtype allow
     (``DFlashDraftModel.pack_linears``)."""
     path = Path(path)
@@ -78,9 +81,21 @@ def load_draft(
         raise CheckpointError(f"draft checkpoint {path} does not match its config: " + "; ".join(problems))
     model.load_state_dict(tensors, strict=True)
     model = model.to(device=device, dtype=dtype).eval()
+    if (path / TABLE_NAME).exists():
+        model.ngram_table = _read_table(path / TABLE_NAME, int(config.architecture.vocab_size))
     if packed:
         model.pack_linears()
     return model
+
+
+def _read_table(path: Path, vocab_size: int) -> NgramTable:
+    try:
+        table = NgramTable.load(path)
+    except ValueError as exc:
+        raise CheckpointError(f"draft n-gram table {path}: {exc}") from exc
+    if table.vocab_size != vocab_size:
+        raise CheckpointError(f"draft n-gram table {path} is for a vocabulary of {table.vocab_size}, not {vocab_size}")
+    return table
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -42,6 +42,8 @@ class DecodeConfig:
         likely tokens; 1: the chain alone). Rounds of rows without penalties only.
     lookup: n-gram lookup tokens verified beside the draft (0: none;
         ``speculative.lookup``). Rounds of rows without penalties only.
+    lookup_table: where a row's own text has no match, lookup continues from
+        the draft's n-gram table when it ships one (``speculative.ngram_table``).
     """
 
     block_size: int = 16
@@ -51,6 +53,7 @@ class DecodeConfig:
     compact_slack: int = DEFAULT_COMPACT_SLACK
     branches: int = 1
     lookup: int = 0
+    lookup_table: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -106,6 +109,7 @@ def spec_generate(
         compact_slack=config.compact_slack,
         branches=config.branches,
         lookup=config.lookup,
+        lookup_table=config.lookup_table,
     )
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)

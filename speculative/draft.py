@@ -31,6 +31,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from speculative.config import DFlashConfig, LayerAttention
 from speculative.masks import attention_allowed
+from speculative.ngram_table import NgramTable
 from speculative.packed import pack_linears, pack_weight, packed_linear, packing_support
 from speculative.target import TargetModel
 
@@ -150,6 +151,8 @@ class DFlashDraftModel(nn.Module):
         self._fused: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None] | None = None
         self._head: tuple[tuple[object, ...], torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._pack_head = False
+        # Shipped beside the weights (``speculative.ngram_table``); lookup paths read it.
+        self.ngram_table: NgramTable | None = None
         self.register_buffer(VOCAB_IDS_NAME, None)
         if draft_vocab_ids is None and config.draft_vocab_size is not None:
             raise ValueError(f"the config declares draft_vocab_size {config.draft_vocab_size} but no draft_vocab_ids")

@@ -119,10 +119,13 @@ class DecodeSession:
         in_place_cache: bool = True,
         branches: int = 1,
         lookup: int = 0,
+        lookup_table: bool = True,
     ) -> None:
         """``branches``: candidates verified for the first drafted slot, the
         draft's most likely tokens there (1: the chain alone; see ``_alternates``).
-        ``lookup``: n-gram lookup tokens verified beside the draft (0: none; see ``_lookup``)."""
+        ``lookup``: n-gram lookup tokens verified beside the draft (0: none; see ``_lookup``).
+        ``lookup_table``: where a greedy row's own text has no match, lookup continues
+        from the draft's n-gram table when it ships one (``DFlashDraftModel.ngram_table``)."""
         if proposal not in get_args(Proposal):
             raise ValueError(f"proposal must be 'argmax' or 'sample', got {proposal!r}")
         if branches < 1 or lookup < 0:
@@ -133,6 +136,8 @@ class DecodeSession:
         self.target, self.draft = target, draft
         self.proposal, self.compact_slack = proposal, compact_slack
         self.branches, self.lookup = branches, lookup if draft is not None else 0
+        self.lookup_table = lookup_table
+        self._table = draft.ngram_table if draft is not None and lookup_table else None
         # Appending in place made batch-48 CPU decode steps 5x cheaper than transformers'
         # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
@@ -190,7 +195,12 @@ class DecodeSession:
         last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
         first = _sample_first(last_logits, list(sampling), generators)
         history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
-        ngrams = [NgramIndex([*p, t]) if self.lookup else None for p, t in zip(prompts, first.tolist(), strict=True)]
+        ngrams = [
+            # Greedy rows only: at T = 1 the table's phrasing added 0-0.16 tau, too little for its
+            # slots' cost (2-11 % slower, docs/LOG.md); a sampled answer strays from the corpus's.
+            NgramIndex([*p, t], self._table if s.temperature == 0 else None) if self.lookup else None
+            for p, t, s in zip(prompts, first.tolist(), sampling, strict=True)
+        ]
         rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys), ngrams)
         if self.batch is None:
             self.batch = batch
@@ -228,6 +238,7 @@ class DecodeSession:
             in_place_cache=self.in_place_cache,
             branches=self.branches,
             lookup=self.lookup,
+            lookup_table=self.lookup_table,
         )
         if index:
             part.batch = copy.deepcopy(self._batch())

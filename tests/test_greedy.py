@@ -8,6 +8,7 @@ from builders import VOCAB, random_prompts, reference_greedy, tiny_draft, tiny_t
 
 from speculative.config import DraftTargetMismatch
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.ngram_table import NgramTable
 from speculative.sampling import SamplingParams, greedy_tokens
 from speculative.session import DecodeSession
 from speculative.train.draft_vocab import frequent_token_ids, token_coverage
@@ -239,6 +240,28 @@ def test_lookup_paths_match_target_greedy(pair_and_references, block_size, branc
         rounds += result.rounds
     assert sum(r.lookup_accepted for r in rounds) > 0
     assert block_size > 2 or max(max(r.committed) for r in rounds) > block_size
+
+
+def test_lookup_from_the_draft_table_matches_target_greedy(pair_and_references):
+    """Rows whose own text has no n-gram match continue from the draft's corpus
+    table (built here from the target's greedy answers to other prompts): still
+    the target's greedy output, and the table adds committed lookup tokens."""
+    (target, draft), references = pair_and_references
+    others = random_prompts(24, seed=12, min_len=2, max_len=24)
+    answers = [reference_greedy(target, p, NEW_TOKENS) for p in others]
+    with_table = copy.copy(draft)
+    with_table.ngram_table = NgramTable.build(answers, vocab_size=target.vocab_size, min_count=1)
+    lookup_tokens = {}
+    for name, model in (("own text", draft), ("table", with_table)):
+        config = DecodeConfig(block_size=4, max_new_tokens=NEW_TOKENS, branches=2, lookup=6)
+        result = spec_generate(target, model, PROMPTS, config)
+        assert result.tokens == references
+        lookup_tokens[name] = sum(r.lookup_accepted for r in result.rounds)
+    assert lookup_tokens["table"] > lookup_tokens["own text"]
+    off = spec_generate(
+        target, with_table, PROMPTS, DecodeConfig(4, NEW_TOKENS, branches=2, lookup=6, lookup_table=False)
+    )
+    assert sum(r.lookup_accepted for r in off.rounds) == lookup_tokens["own text"]
 
 
 def test_rows_with_penalties_never_branch(qwen_pair):

@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 
 from speculative import session
 from speculative.decode import DecodeConfig, GenerationResult, spec_generate
+from speculative.ngram_table import NgramTable
 from speculative.penalties import TokenHistory, penalize
 from speculative.sampling import SamplingParams, inverse_cdf, probabilities, sample_rows
 from speculative.tree import DraftTree
@@ -323,6 +324,26 @@ def test_lookup_paths_keep_sampling_exact(small_vocab, warp, proposal):
     assert chi_square_pvalue(counts, exact_joint(target, params, prompt=LOOKUP_PROMPT)) > ALPHA
     lookup_tokens = sum(r.lookup_accepted for r in result.rounds)
     assert lookup_tokens > ROWS // 100
+
+
+def test_sampled_rows_do_not_continue_from_the_draft_table(small_vocab):
+    """The draft's corpus table proposes for greedy rows only (a sampled answer
+    strays from the corpus's phrasing): sampled rows decode exactly as without a
+    table, draw for draw, while a greedy row beside them does use it."""
+    target, drafts = small_vocab
+    samples = [SamplingParams(1.0, seed=i) for i in range(64)]
+    answers = spec_generate(target, None, [PROMPT] * 64, DecodeConfig(1, 24), samples).tokens
+    draft = copy.copy(drafts["good"])
+    draft.ngram_table = NgramTable.build(answers, vocab_size=V, sizes=(2,), min_count=1)
+    config = DecodeConfig(block_size=4, max_new_tokens=16, lookup=4)
+    rows = [SamplingParams(1.0, seed=i) for i in range(32)]
+    with_table = spec_generate(target, draft, [PROMPT] * 32, config, rows)
+    without = spec_generate(target, drafts["good"], [PROMPT] * 32, config, rows)
+    assert with_table.tokens == without.tokens
+    lookup_tokens = [sum(r.lookup_accepted for r in run.rounds) for run in (with_table, without)]
+    assert lookup_tokens[0] == lookup_tokens[1]
+    greedy = [spec_generate(target, d, [PROMPT], config).rounds for d in (draft, drafts["good"])]
+    assert sum(r.lookup_accepted for r in greedy[0]) > sum(r.lookup_accepted for r in greedy[1])
 
 
 def test_the_check_detects_lookup_paths_taken_without_rejection(small_vocab, monkeypatch):

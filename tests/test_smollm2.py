@@ -63,8 +63,8 @@ def test_the_default_pair_serves_the_targets_greedy_output(installed):
     """`make run`'s server (no model flags: SmolLM2 and its committed DFlash
     draft) through the official client: the reply is token for token what
     transformers' greedy generate says with the target as the server runs it
-    (fp32, linear weights packed), and the trained draft's proposals are
-    accepted along the way."""
+    (fp32, linear weights packed), the trained draft's proposals are
+    accepted along the way, and its n-gram table serves the lookup path."""
     assert ServeSettings().target == DEFAULT_TARGET and installed == ROOT / DEFAULT_TARGET
     target = TargetModel.from_pretrained(installed, packed=True)
     messages = [{"role": "user", "content": "Write a Python function that returns the squares of a list."}]
@@ -85,13 +85,15 @@ def test_the_default_pair_serves_the_targets_greedy_output(installed):
         assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
         assert reply.usage.completion_tokens == len(expected)
         stats = reply.model_extra["speculative"]
-        block = load_draft(ROOT / DEFAULT_DRAFT).block_size
+        draft = load_draft(ROOT / DEFAULT_DRAFT)
+        block, table = draft.block_size, draft.ngram_table
         assert stats["draft_tokens"] == (block - 1) * stats["verify_rounds"] > 0
         assert stats["accepted_tokens"] > 0
     finally:
         server.terminate()
         log = server.communicate(timeout=60)[0]
     assert "dtype float32" in log and f"linears: {target_packing}" in log and "Traceback" not in log
+    assert table is not None and f"n-gram table: {len(table)} contexts" in log
 
 
 def _ready(url: str) -> bool:

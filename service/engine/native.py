@@ -69,7 +69,8 @@ class NativeEngineConfig:
     torch's setting; ``decode_threads`` picks the service's default).
     ``branches``: candidates verified for the first drafted slot
     (``DecodeSession``; 1: the draft's chain alone). ``lookup``: n-gram
-    lookup tokens verified beside the draft (``DecodeSession``; 0: none)."""
+    lookup tokens verified beside the draft (``DecodeSession``; 0: none),
+    continued from the draft's n-gram table with ``lookup_table``."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -80,6 +81,7 @@ class NativeEngineConfig:
     threads: int = 0
     branches: int = 1
     lookup: int = 0
+    lookup_table: bool = True
 
     def __post_init__(self) -> None:
         counts = self.max_waiting, self.plain_reference_every, self.threads, self.lookup
@@ -149,6 +151,7 @@ class NativeEngine:
             compact_slack=config.compact_slack,
             branches=config.branches,
             lookup=config.lookup,
+            lookup_table=config.lookup_table,
         )
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.on_step = on_step
@@ -183,7 +186,13 @@ class NativeEngine:
         threads = decode_threads(settings.threads, usable_cpus()) if settings.device == "cpu" else 0
         log.info("decode threads: %s", threads or "torch's default")
         if draft is not None:
-            log.info("first-slot branches: %d, n-gram lookup tokens: %d", settings.branches, settings.lookup)
+            table = draft.ngram_table if settings.lookup_table else None
+            log.info(
+                "first-slot branches: %d, n-gram lookup tokens: %d, from the draft's n-gram table: %s",
+                settings.branches,
+                settings.lookup,
+                f"{len(table)} contexts" if table is not None and settings.lookup else "no",
+            )
         config = NativeEngineConfig(
             settings.max_batch_size,
             settings.max_waiting,
@@ -192,6 +201,7 @@ class NativeEngine:
             threads=threads,
             branches=settings.branches,
             lookup=settings.lookup,
+            lookup_table=settings.lookup_table,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
 

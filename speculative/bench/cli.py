@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     precision = choose_dtype(args.dtype)
     target = TargetModel.from_pretrained(args.target, dtype=precision.dtype, packed=args.packed_linears)
     draft = load_draft(args.draft, dtype=precision.dtype, packed=args.packed_linears)
+    tables = tuple(choice == "on" for choice in args.lookup_table or ["on" if draft.ngram_table else "off"])
+    if any(tables) and draft.ngram_table is None:
+        raise SystemExit(f"--lookup-table on: the draft {args.draft} ships no n-gram table")
+    settings = replace(settings, lookup_tables=tables)
     assistant = load_assistant(args.assistant, target.model, dtype=precision.dtype) if args.assistant else None
     rows, diagnoses = [], {}
     for name in args.datasets:
@@ -140,6 +144,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[0],
         help="n-gram lookup tokens verified beside the draft, each block size with each (0: none)",
+    )
+    parser.add_argument(
+        "--lookup-table",
+        nargs="+",
+        choices=["on", "off"],
+        help="lookup continues from the draft's n-gram table where the prompt and output have no match; each "
+        "lookup with each (default: on when the draft ships a table)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])

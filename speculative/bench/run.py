@@ -28,12 +28,15 @@ class BenchSettings:
     """What to sweep. Block size 1 (target-only) always runs as the baseline;
     every block size runs with each of ``branches`` (candidates verified for
     the first drafted slot, ``DecodeConfig.branches``) and each of ``lookups``
-    (n-gram lookup tokens, ``DecodeConfig.lookup``). ``repetition_penalty``
+    (n-gram lookup tokens, ``DecodeConfig.lookup``), a lookup with each of
+    ``lookup_tables`` (the draft's n-gram table on or off,
+    ``DecodeConfig.lookup_table``). ``repetition_penalty``
     (1: off) applies to every method alike."""
 
     block_sizes: tuple[int, ...] = (4, 8, 16)
     branches: tuple[int, ...] = (1,)
     lookups: tuple[int, ...] = (0,)
+    lookup_tables: tuple[bool, ...] = (False,)
     batch_sizes: tuple[int, ...] = (1,)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_new_tokens: int = 128
@@ -79,16 +82,18 @@ class DFlashMethod:
     block_size: int
     branches: int = 1
     lookup: int = 0
+    lookup_table: bool = False
 
     @property
     def name(self) -> str:
-        """ "dflash b4", "dflash b4 k3" with three first-slot candidates, "dflash b4 k3 L8" with 8 lookup tokens."""
+        """ "dflash b4", "dflash b4 k3" with three first-slot candidates, "dflash b4 k3 L8" with 8 lookup
+        tokens, "dflash b4 k3 L8+table" continuing from the draft's n-gram table."""
         if self.block_size == 1:
             return "target-only"
         return " ".join(
             [f"dflash b{self.block_size}"]
             + ([f"k{self.branches}"] if self.branches > 1 else [])
-            + ([f"L{self.lookup}"] if self.lookup else [])
+            + ([f"L{self.lookup}" + ("+table" if self.lookup_table else "")] if self.lookup else [])
         )
 
 
@@ -96,10 +101,17 @@ TARGET_ONLY = DFlashMethod(1)
 
 
 def sweep_methods(settings: BenchSettings) -> list[DFlashMethod]:
-    """Target-only first, then every block size with every branches and lookup setting."""
+    """Target-only first, then every block size with every branches and lookup setting
+    (a lookup with every table setting)."""
     return [
         TARGET_ONLY,
-        *(DFlashMethod(b, k, n) for b in settings.block_sizes for k in settings.branches for n in settings.lookups),
+        *(
+            DFlashMethod(b, k, n, table)
+            for b in settings.block_sizes
+            for k in settings.branches
+            for n in settings.lookups
+            for table in (settings.lookup_tables if n else (False,))
+        ),
     ]
 
 
@@ -126,6 +138,7 @@ def run_dflash(
             stop_token_ids=stop_token_ids,
             branches=method.branches,
             lookup=method.lookup,
+            lookup_table=method.lookup_table,
         )
 
         def decode_chunk(index: int) -> None:

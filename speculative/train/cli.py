@@ -7,6 +7,7 @@ dflash-train prompts --written-by DIR --limit 20000 --out runs/own.jsonl  # prom
 dflash-train data --target DIR --prompts-file runs/prompts.jsonl --backend generate --device cuda --out runs/gpu
 dflash-train draft --target models/pycoder-12m --data runs/data.jsonl --out models/pycoder-12m-dflash-b16
 dflash-train assistant --target models/smollm2-135m-instruct --data runs/data.jsonl --out runs/assistant-2l
+dflash-train ngram-table --data runs/data.jsonl --draft models/smollm2-135m-instruct-dflash  # lookup's corpus table
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from speculative.cliflags import add_dataclass_flags, dataclass_kwargs
+from speculative.ngram_table import DEFAULT_MIN_COUNT, DEFAULT_SIZES
 from speculative.train.assistant import AssistantTrainConfig, train_assistant
 from speculative.train.corpus import Corpus, function_pairs, request_prompts
 from speculative.train.draft_train import DraftTrainConfig, train_draft
+from speculative.train.lookup_table import build_draft_table
 from speculative.train.model_card import write_card
 from speculative.train.prompt_writer import WriterConfig, write_own_prompts
 from speculative.train.prompts import Prompt, build_prompts, provenance
@@ -163,9 +166,24 @@ def main(argv: list[str] | None = None) -> None:
         trainer.add_argument("--run-dir", type=Path, default=Path(f"runs/{name}"), help="checkpoints")
         add_dataclass_flags(trainer, config, PATH_FIELDS)
 
+    table = commands.add_parser(
+        "ngram-table", help="count regenerated answers into the draft's n-gram table for lookup paths"
+    )
+    table.add_argument("--data", type=Path, nargs="+", required=True, help="regenerated .jsonl files")
+    table.add_argument("--draft", type=Path, required=True, help="draft directory: the table is written into it")
+    table.add_argument(
+        "--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="context lengths in tokens (at most 4)"
+    )
+    table.add_argument(
+        "--min-count", type=int, default=DEFAULT_MIN_COUNT, help="times the kept token must have followed its context"
+    )
+
     argv = sys.argv[1:] if argv is None else argv
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "ngram-table":
+        print(json.dumps(build_draft_table(args["data"], args["draft"], args["sizes"], args["min_count"])))
+        return
     if command == "prompts":
         if args["written_by"] and not args["limit"]:
             parser.error("prompts --written-by needs --limit (how many prompts to ask the target for)")
