@@ -137,7 +137,6 @@ class DecodeSession:
         self.proposal, self.compact_slack = proposal, compact_slack
         self.branches, self.lookup = branches, lookup if draft is not None else 0
         self.lookup_table = lookup_table
-        self._table = draft.ngram_table if draft is not None and lookup_table else None
         # Appending in place made batch-48 CPU decode steps 5x cheaper than transformers'
         # concatenating layers (kept for comparison: ``in_place_cache=False``).
         self.in_place_cache = in_place_cache
@@ -195,10 +194,11 @@ class DecodeSession:
         last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
         first = _sample_first(last_logits, list(sampling), generators)
         history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
+        table = self.draft.ngram_table if self.draft is not None and self.lookup_table else None
         ngrams = [
             # Greedy rows only: at T = 1 the table's phrasing added 0-0.16 tau, too little for its
             # slots' cost (2-11 % slower, docs/LOG.md); a sampled answer strays from the corpus's.
-            NgramIndex([*p, t], self._table if s.temperature == 0 else None) if self.lookup else None
+            NgramIndex([*p, t], table if s.temperature == 0 else None) if self.lookup else None
             for p, t, s in zip(prompts, first.tolist(), sampling, strict=True)
         ]
         rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys), ngrams)

@@ -14,10 +14,11 @@ at the nearest measured block, t(b) from the cost model (``cost``). The rules:
   row-rounds at that block): before that every drafting block's goodput
   rests on S = 0, and the trial block's on another block's lookup (a 26-step
   trial of b = 2 priced by b = 16's nothing sent a lone request back to plain
-  decoding for a whole run, docs/LOG.md 2026-12-05 (12)). A start-up profile (step times, no acceptance) sends every
-  bucket to b = 1 first, and a 20-step trial of b = 2 that ended there, on 20
-  verified drafts, put it at 0.68x of plain decoding: the lone-request bucket
-  then decoded plainly at 0.73x of b = 3's throughput (docs/LOG.md);
+  decoding for a whole run, docs/LOG.md 2026-12-05 (12)). A start-up profile
+  (step times, no acceptance) sends every bucket to b = 1 first, and a
+  20-step trial of b = 2 that ended there, on 20 verified drafts, put it at
+  0.68x of plain decoding: the lone-request bucket then decoded plainly at
+  0.73x of b = 3's throughput (docs/LOG.md);
 - a switch to a block the bucket has not measured live is a trial first, back
   to the best block measured there unless it holds up: an estimate is not a
   measurement, and a block chosen on one must not stay chosen while it never
