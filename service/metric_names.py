@@ -27,6 +27,7 @@ SERVED_STEP_ROWS = "dflash_served_step_rows"
 STEP_OUTPUT_TOKENS = "dflash_step_output_tokens"
 PROFILE_STEP_SECONDS = "dflash_profile_step_seconds"
 PROFILE_STEP_ROWS = "dflash_profile_step_rows"
+PREFILL_SECONDS = "dflash_prefill_seconds"
 # Requests (service.metrics).
 RUNNING_REQUESTS = "dflash_running_requests"
 WAITING_REQUESTS = "dflash_waiting_requests"
@@ -60,6 +61,7 @@ METRIC_NAMES = frozenset(
         STEP_OUTPUT_TOKENS,
         PROFILE_STEP_SECONDS,
         PROFILE_STEP_ROWS,
+        PREFILL_SECONDS,
         RUNNING_REQUESTS,
         WAITING_REQUESTS,
         PROMPT_TOKENS,

@@ -18,15 +18,20 @@ Draft acceptance rate (the draft's own slots; lookup paths are not drafts):
 Share of accepted tokens that n-gram lookup added (``--lookup``):
     sum(rate(dflash_lookup_accepted_tokens_total[5m])) / sum(rate(dflash_accepted_tokens_total[5m]))
 Achieved speedup over plain decoding per batch bucket (``ACHIEVED_SPEEDUP``
-below): tokens output per second of serving step time, at whatever blocks
-ran, over plain decoding's tokens per second at the same bucket. A plain step
-commits one token per row, so plain decoding's rate is rows per second of
-b = 1 steps: the served ones in the window (plain steps, the controller's
-paired trials) where there are any, else the start-up profile's (cumulative:
-it ran once). Assumes the bucket's mix of batch sizes and contexts is alike
-in both (true for served b = 1 steps; the profile uses short random prompts).
-Fleet-wide (``FLEET_ACHIEVED_SPEEDUP``): the time plain decoding would have
-taken for the tokens each bucket output, summed, over the time it took.
+below): the seconds plain decoding would have taken for what the bucket did
+over the seconds it took. Both include the bucket's prefills (a prefill
+stalls every running row; it is filed under the batch size it leaves, and
+costs plain decoding the same); the steps took their serving step time,
+plain decoding would have taken the tokens they output over its tokens per
+second at the same bucket. A plain step commits one token per row, so plain
+decoding's rate is rows per second of b = 1 steps: the served ones in the
+window (plain steps, the controller's paired trials) where there are any,
+else the start-up profile's (cumulative: it ran once). Assumes the bucket's
+mix of batch sizes and contexts is alike in both (true for served b = 1
+steps; the profile uses short random prompts). Fleet-wide
+(``FLEET_ACHIEVED_SPEEDUP``): the same seconds summed over the buckets that
+have a plain-decoding rate. An engine that reports no prefill time (SGLang)
+counts steps only.
 Refused requests per second by reason (queue_full = 429, draining = 503,
 invalid = 400, ...):
     sum by (reason) (rate(dflash_refused_requests_total[1m]))
@@ -53,14 +58,15 @@ def _series(name: str, selector: str, *labels: str) -> str:
     return f"{name}{{{inside}}}" if inside else name
 
 
+def _by_bucket(series: str, window: str | None, function: str = "rate") -> str:
+    """``sum by (batch_bucket)`` of ``function(series[window])``, or of the
+    cumulative values when ``window`` is None."""
+    return f"sum by (batch_bucket) ({series if window is None else f'{function}({series}[{window}])'})"
+
+
 def _ratio_by_bucket(numerator: str, denominator: str, window: str | None) -> str:
-    """``sum by (batch_bucket)`` of one series over the other's: their rates
-    over ``window``, or their cumulative values when ``window`` is None."""
-
-    def total(series: str) -> str:
-        return f"sum by (batch_bucket) ({series if window is None else f'rate({series}[{window}])'})"
-
-    return f"{total(numerator)} / {total(denominator)}"
+    """One series' rates by bucket over the other's (cumulative values when ``window`` is None)."""
+    return f"{_by_bucket(numerator, window)} / {_by_bucket(denominator, window)}"
 
 
 def _plain_rate(window: str, selector: str) -> str:
@@ -78,28 +84,33 @@ def _plain_rate(window: str, selector: str) -> str:
     return f"(({served}) > 0 or ({profiled}))"
 
 
+def _speedup_terms(window: str, selector: str, function: str) -> tuple[str, str, str]:
+    """(prefill seconds, serving step seconds, output tokens) by bucket over
+    ``window``; prefill reads 0 on a server that exports none."""
+    steps = _by_bucket(_series(f"{names.SERVED_STEP_SECONDS}_total", selector), window, function)
+    prefill = _by_bucket(_series(f"{names.PREFILL_SECONDS}_total", selector), window, function)
+    tokens = _by_bucket(_series(f"{names.STEP_OUTPUT_TOKENS}_total", selector), window, function)
+    return f"({prefill} or {steps} * 0)", steps, tokens
+
+
 def achieved_speedup_promql(window: str = "5m", selector: str = "") -> str:
     """PromQL of the achieved speedup per ``batch_bucket`` over ``window``, of
     the series ``selector`` picks (e.g. ``instance="a:8000"``; empty: all)."""
-    delivered = _ratio_by_bucket(
-        _series(f"{names.STEP_OUTPUT_TOKENS}_total", selector),
-        _series(f"{names.SERVED_STEP_SECONDS}_total", selector),
-        window,
-    )
-    return f"({delivered}) / on (batch_bucket) {_plain_rate(window, selector)}"
+    prefill, steps, tokens = _speedup_terms(window, selector, "rate")
+    plain = _plain_rate(window, selector)
+    return f"({prefill} + {tokens} / on (batch_bucket) {plain}) / ({prefill} + {steps})"
 
 
 def fleet_achieved_speedup_promql(window: str = "1h", selector: str = "") -> str:
     """PromQL of the fleet-wide achieved speedup over ``window``: the seconds
-    plain decoding would have needed for each bucket's tokens, summed, over the
-    serving seconds of the buckets that have a plain-decoding rate."""
+    plain decoding would have needed for each bucket's prefills and tokens,
+    summed, over the seconds they took, in the buckets that have a
+    plain-decoding rate."""
+    prefill, steps, tokens = _speedup_terms(window, selector, "increase")
     plain = _plain_rate(window, selector)
-    tokens, seconds = f"{names.STEP_OUTPUT_TOKENS}_total", f"{names.SERVED_STEP_SECONDS}_total"
-    plain_seconds = (
-        f"sum by (batch_bucket) (increase({_series(tokens, selector)}[{window}])) / on (batch_bucket) {plain}"
-    )
-    served = f"sum by (batch_bucket) (increase({_series(seconds, selector)}[{window}])) and on (batch_bucket) {plain}"
-    return f"sum({plain_seconds}) / sum({served})"
+    needed = f"{prefill} + {tokens} / on (batch_bucket) {plain}"
+    took = f"({prefill} + {steps}) and on (batch_bucket) {plain}"
+    return f"sum({needed}) / sum({took})"
 
 
 ACHIEVED_SPEEDUP = achieved_speedup_promql()
@@ -109,7 +120,13 @@ FLEET_ACHIEVED_SPEEDUP = fleet_achieved_speedup_promql()
 SpeedupCounters = dict[tuple[str, str, str], float]
 """Counter values (or their increase over a window) keyed (metric name, block size, batch bucket)."""
 PROFILE_COUNTERS = (names.PROFILE_STEP_SECONDS, names.PROFILE_STEP_ROWS)
-SPEEDUP_COUNTERS = (names.SERVED_STEP_SECONDS, names.SERVED_STEP_ROWS, names.STEP_OUTPUT_TOKENS, *PROFILE_COUNTERS)
+SPEEDUP_COUNTERS = (
+    names.SERVED_STEP_SECONDS,
+    names.SERVED_STEP_ROWS,
+    names.STEP_OUTPUT_TOKENS,
+    names.PREFILL_SECONDS,
+    *PROFILE_COUNTERS,
+)
 
 
 def speedup_counters(exposition: str) -> SpeedupCounters:
@@ -120,7 +137,8 @@ def speedup_counters(exposition: str) -> SpeedupCounters:
         if family.name in SPEEDUP_COUNTERS:
             for sample in family.samples:
                 if sample.name == family.name + "_total":
-                    counters[(family.name, sample.labels["block_size"], sample.labels["batch_bucket"])] = sample.value
+                    block = sample.labels.get("block_size", "")  # prefill has none
+                    counters[(family.name, block, sample.labels["batch_bucket"])] = sample.value
     return counters
 
 
@@ -146,27 +164,33 @@ def plain_rates(counters: SpeedupCounters) -> dict[str, float]:
     return rates
 
 
+def _seconds(counters: SpeedupCounters, bucket: str, plain: float) -> tuple[float, float]:
+    """(seconds plain decoding would have taken, seconds taken) for the bucket's
+    prefills and serving steps."""
+    prefill = _total(counters, names.PREFILL_SECONDS, bucket)
+    needed = prefill + _total(counters, names.STEP_OUTPUT_TOKENS, bucket) / plain
+    return needed, prefill + _total(counters, names.SERVED_STEP_SECONDS, bucket)
+
+
 def achieved_speedup(counters: SpeedupCounters) -> dict[str, float]:
     """The achieved speedup per bucket, as ``ACHIEVED_SPEEDUP`` computes it;
     buckets without a plain-decoding rate or serving steps are left out."""
     speedups = {}
     for bucket, plain in plain_rates(counters).items():
-        seconds = _total(counters, names.SERVED_STEP_SECONDS, bucket)
-        if seconds > 0:
-            speedups[bucket] = _total(counters, names.STEP_OUTPUT_TOKENS, bucket) / seconds / plain
+        if _total(counters, names.SERVED_STEP_SECONDS, bucket) > 0:
+            needed, took = _seconds(counters, bucket, plain)
+            speedups[bucket] = needed / took
     return speedups
 
 
 def overall_achieved_speedup(counters: SpeedupCounters) -> float | None:
     """All buckets together, as ``FLEET_ACHIEVED_SPEEDUP`` computes it: the
-    seconds plain decoding would have needed for each bucket's output, summed,
-    over the serving seconds it took (None without a plain-decoding rate)."""
-    plain = plain_rates(counters)
-    seconds = sum(_total(counters, names.SERVED_STEP_SECONDS, bucket) for bucket in plain)
-    if seconds <= 0:
-        return None
-    needed = sum(_total(counters, names.STEP_OUTPUT_TOKENS, bucket) / rate for bucket, rate in plain.items())
-    return needed / seconds
+    seconds plain decoding would have needed for each bucket's prefills and
+    output, summed, over the seconds they took (None without a plain-decoding
+    rate)."""
+    seconds = [_seconds(counters, bucket, rate) for bucket, rate in plain_rates(counters).items()]
+    took = sum(t for _, t in seconds)
+    return sum(n for n, _ in seconds) / took if took > 0 else None
 
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -225,6 +249,11 @@ class Metrics:
         )
         self.profile_seconds = Counter(names.PROFILE_STEP_SECONDS, "Start-up profile step seconds", cell, registry=r)
         self.profile_rows = Counter(names.PROFILE_STEP_ROWS, "Rows stepped by the start-up profile", cell, registry=r)
+        self.prefill_seconds = Counter(
+            names.PREFILL_SECONDS, "Prefill seconds, by the batch size it leaves running", ["batch_bucket"], registry=r
+        )
+        for bucket in BUCKETS:  # at zero from the start, as declare_blocks sets the step counters
+            self.prefill_seconds.labels(bucket)
         self.running = Gauge(names.RUNNING_REQUESTS, "Requests being decoded", registry=r)
         self.waiting = Gauge(names.WAITING_REQUESTS, "Requests waiting for a slot", registry=r)
         self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens of finished requests", registry=r)
@@ -297,6 +326,11 @@ class Metrics:
             ):
                 self.accepted_per_position.labels(str(k)).inc(accepted)
                 self.verified_per_position.labels(str(k)).inc(verified)
+
+    def observe_prefill(self, batch_size: int, seconds: float) -> None:
+        """Account a prefill that left ``batch_size`` rows running (its joining
+        requests' first tokens included)."""
+        self.prefill_seconds.labels(batch_bucket(batch_size)).inc(seconds)
 
     def observe_profile_step(self, stats: RoundStats, seconds: float) -> None:
         """Account a start-up profile step: its time (the controller's first

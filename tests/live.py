@@ -56,7 +56,14 @@ def roofline(floor_s: float, knee_tokens: int, draft_s: float) -> StepCost:
     return cost
 
 
-def make_server(model, step_cost: StepCost | None = None, controller=False, profile_batch_sizes=(), **settings):
+def make_server(
+    model,
+    step_cost: StepCost | None = None,
+    controller=False,
+    profile_batch_sizes=(),
+    prefill_cost: float | None = None,
+    **settings,
+):
     """A LiveServer over a fresh engine for ``model`` = (root, target, draft,
     tokenizer); ``controller`` runs the in-process controller as
     ``dflash-serve`` does; ``profile_batch_sizes``: a start-up profile at those
@@ -65,7 +72,8 @@ def make_server(model, step_cost: StepCost | None = None, controller=False, prof
     ``step_cost``: every engine step lasts at least ``step_cost(batch, block)``
     (the engine thread waits out the rest) and the metrics record exactly that
     cost, so what the controller measures follows the model however busy the
-    machine is (the real steps must stay cheaper than the model)."""
+    machine is (the real steps must stay cheaper than the model);
+    ``prefill_cost`` does the same for every prefill."""
     root, target, draft, tokenizer = model
     engine_keys = ("max_batch_size", "max_waiting", "plain_reference_every")
     engine_config = {k: settings.pop(k) for k in engine_keys if k in settings}
@@ -78,7 +86,15 @@ def make_server(model, step_cost: StepCost | None = None, controller=False, prof
             seconds = modeled
         metrics.observe_step(stats, seconds, output_tokens)
 
-    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step)
+    def on_prefill(batch_size, seconds):
+        if prefill_cost is not None:
+            time.sleep(max(0.0, prefill_cost - seconds))
+            seconds = prefill_cost
+        metrics.observe_prefill(batch_size, seconds)
+
+    engine = NativeEngine(
+        target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step, on_prefill=on_prefill
+    )
     metrics.declare_blocks(ControllerSettings(max_block_size=engine.max_block_size).allowed)
     for stats, seconds in engine.profile_steps(profile_batch_sizes, steps=4) if profile_batch_sizes else ():
         metrics.observe_profile_step(

@@ -1,7 +1,7 @@
 """Metric names and batch-bucket labels have one source, ``service.metric_names``:
 the service exports exactly those names, the dashboards and docs name only
-those, and the buckets the controller decides for are the labels the metrics
-module writes."""
+those, the dashboards' speedup is the metrics module's PromQL, and the
+buckets the controller decides for are the labels the metrics module writes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import service.metrics
 from service.controller import BUCKETS
 from service.controller.loop import ControllerMetrics
 from service.metric_names import METRIC_NAMES, STEP_SECONDS
-from service.metrics import Metrics
+from service.metrics import Metrics, achieved_speedup_promql, fleet_achieved_speedup_promql
 from speculative.session import RoundStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +63,18 @@ def test_dashboards_name_only_defined_metrics():
         used |= {name for text in strings(json.loads(dashboard.read_text())) for name in mentioned(text)}
     assert len(used) >= 15
     assert {name for name in used if not is_defined(name)} == set()
+
+
+def test_the_dashboards_speedup_is_the_one_the_metrics_module_defines():
+    """The achieved-speedup panels run ``service.metrics``' PromQL with
+    Grafana's window and variables: what the tests check is what users see."""
+    panels = json.loads((ROOT / "dashboards" / "dflash.json").read_text())["panels"]
+    exprs = {p["title"]: p["targets"][0]["expr"] for p in panels if p.get("targets")}
+    variables = 'model=~"$model", instance=~"$instance"'
+    assert exprs["Speedup over plain decoding: achieved and estimated"] == achieved_speedup_promql(
+        "$__rate_interval", variables
+    )
+    assert exprs["Achieved speedup (time range, fleet)"] == fleet_achieved_speedup_promql("$__range", variables)
 
 
 def test_docs_name_only_defined_metrics():

@@ -58,6 +58,27 @@ def test_without_plain_steps_the_start_up_profile_is_the_reference():
     assert achieved_speedup(page(metrics)) == pytest.approx({"2-3": (48 + 2) / (0.096 + 0.004) / 500})
 
 
+def test_prefills_cost_both_sides_the_same_seconds():
+    """A prefill stalls every running row on either server: it adds the same
+    seconds to what plain decoding would have taken and to what serving took,
+    so it pulls the speedup towards 1, bucket by the batch size it leaves."""
+    metrics = Metrics()
+    for _ in range(10):  # plain decoding at batch 1: 100 tokens/s
+        metrics.observe_step(step(1, 1, []), 0.010)
+    for _ in range(10):  # b = 4 at batch 1: 3 tokens per 15 ms = 200 tokens/s
+        metrics.observe_step(step(1, 4, [1, 1, 0]), 0.015)
+    before = page(metrics)
+    metrics.observe_prefill(1, 0.050)
+    metrics.observe_prefill(3, 0.020)  # a bucket without steps: not in the speedup
+    after = page(metrics)
+    plain_needed, took = (10 + 30) / 100, 0.1 + 0.15
+    assert achieved_speedup(before) == pytest.approx({"1": plain_needed / took})
+    assert achieved_speedup(after) == pytest.approx({"1": (0.05 + plain_needed) / (0.05 + took)})
+    assert overall_achieved_speedup(after) == pytest.approx((0.05 + plain_needed) / (0.05 + took))
+    # Between two scrapes the prefill seconds are differenced like the step counters.
+    assert counters_between(before, after)[("dflash_prefill_seconds", "", "1")] == pytest.approx(0.05)
+
+
 def test_aggregated_steps_count_accepted_drafts_and_a_bonus_per_row():
     """SGLang's schedulers report steps in sums: each row commits its accepted
     drafts and the bonus token."""
@@ -95,6 +116,40 @@ def test_the_engine_counts_only_the_tokens_requests_receive(pair):
         engine.stop()
     output = sum(v for (name, _, _), v in page(metrics).items() if name == "dflash_step_output_tokens")
     assert received == sum(limits) and output == received - len(limits)
+
+
+def test_the_engine_times_each_prefill_under_the_batch_it_leaves(pair):
+    """Two requests arrive together: one prefill, filed under batch 2, that
+    lasts at least the session's ``add`` (slowed here)."""
+    target, draft, tokenizer = pair
+    prefills = []
+    config = NativeEngineConfig(policy=BlockPolicy.fixed(4))
+    engine = NativeEngine(target, draft, tokenizer, config, on_prefill=lambda *a: prefills.append(a))
+    add = engine.session.add
+
+    def slower_add(*args):
+        time.sleep(0.05)
+        return add(*args)
+
+    engine.session.add = slower_add
+
+    async def one(n: int) -> None:
+        async for _ in engine.generate(GenerateRequest(f"r{n}", (5 + n, 40, 41), 3)):
+            pass
+
+    async def main() -> None:
+        requests = [asyncio.create_task(one(n)) for n in range(2)]
+        await asyncio.sleep(0)  # both are queued before the scheduler starts
+        engine.start()
+        await asyncio.gather(*requests)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(prefills) == 1
+    batch, seconds = prefills[0]
+    assert batch == 2 and seconds >= 0.05
 
 
 def test_a_step_is_charged_its_whole_wall_time_not_only_its_forwards(pair):

@@ -142,6 +142,7 @@ class NativeEngine:
         tokenizer: Decoder,
         config: NativeEngineConfig | None = None,
         on_step: collections.abc.Callable[[RoundStats, float, int], None] | None = None,
+        on_prefill: collections.abc.Callable[[int, float], None] | None = None,
     ) -> None:
         config = config or NativeEngineConfig()
         self.session = DecodeSession(
@@ -154,7 +155,7 @@ class NativeEngine:
             lookup_table=config.lookup_table,
         )
         self.target, self.tokenizer, self.config = target, tokenizer, config
-        self.on_step = on_step
+        self.on_step, self.on_prefill = on_step, on_prefill
         self._policy = config.policy or BlockPolicy.fixed(self.session.max_block_size)
         check_policy(self._policy, self.session.max_block_size)
         self._waiting: collections.deque[_Job] = collections.deque()
@@ -203,7 +204,7 @@ class NativeEngine:
             lookup=settings.lookup,
             lookup_table=settings.lookup_table,
         )
-        return cls(target, draft, tokenizer, config, on_step=metrics.observe_step)
+        return cls(target, draft, tokenizer, config, on_step=metrics.observe_step, on_prefill=metrics.observe_prefill)
 
     # ------------------------------------------------------------------ control
 
@@ -348,6 +349,7 @@ class NativeEngine:
         nothing then) is retried on each half, down to single requests: only a
         request that fails on its own gets an error."""
         keys = [j.request.request_id for j in jobs]
+        started = time.perf_counter()
         try:
             first = self.session.add(keys, [j.request.prompt_ids for j in jobs], [j.request.sampling for j in jobs])
         except Exception:
@@ -363,7 +365,11 @@ class NativeEngine:
         with self._lock:
             self._running.update(zip(keys, jobs, strict=True))
             self._prefilling -= len(jobs)
+        joined = len(self.session)
         self._deliver({key: [token] for key, token in first.items()}, None)
+        # Every running row waited for it: the achieved speedup charges it to both sides (service/metrics.py).
+        if self.on_prefill is not None:
+            self.on_prefill(joined, time.perf_counter() - started)
 
     def _step(self, policy: BlockPolicy) -> None:
         b = self._turns.block_size(policy, len(self.session))
