@@ -7,6 +7,10 @@ latency p50/p99, end-to-end latency, the mean acceptance length the server
 reports (``speculative`` field of the usage chunk; absent on other servers),
 and the achieved speedup over plain decoding the server's step counters show
 for the level (``service.metrics``; absent on servers without them).
+``--long-prompt-words N``: beside each level's requests, one more client sends
+requests with an N-word prompt back to back (16 tokens each), and the level
+reports the longest gap the other streams saw and those requests' TTFT: what
+one long prompt's prefill costs everyone else.
 A human table, then one JSON line.
 """
 
@@ -43,6 +47,7 @@ class RequestResult:
     tokens: int
     rounds: int = 0  # verify rounds with drafts, as the server reports them (0: none reported)
     accepted: int = 0  # drafts accepted over those rounds
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -53,6 +58,7 @@ class LevelResult:
     seconds: float
     results: list[RequestResult] = field(default_factory=list)
     achieved_speedup: float | None = None
+    long_results: list[RequestResult] = field(default_factory=list)  # --long-prompt-words requests
 
     def summary(self) -> dict[str, Any]:
         gaps = sorted(g for r in self.results for g in r.gaps)
@@ -61,7 +67,7 @@ class LevelResult:
         # much as another's many short ones (12 HumanEval requests, b16: per-request mean 2.45, over rounds 1.76).
         rounds = sum(r.rounds for r in self.results)
         committed = sum(r.accepted + r.rounds for r in self.results)
-        return {
+        summary = {
             "concurrency": self.concurrency,
             "requests": len(self.results),
             "output_tokens_per_s": sum(r.tokens for r in self.results) / self.seconds,
@@ -69,10 +75,16 @@ class LevelResult:
             "ttft_p99_s": percentile(ttfts, 99),
             "itl_p50_s": percentile(gaps, 50),
             "itl_p99_s": percentile(gaps, 99),
+            "itl_max_s": gaps[-1] if gaps else 0.0,
             "e2e_mean_s": statistics.fmean(r.e2e for r in self.results),
             "acceptance_length": committed / rounds if rounds else None,
             "achieved_speedup": self.achieved_speedup,
         }
+        if self.long_results:
+            summary["long_requests"] = len(self.long_results)
+            summary["long_prompt_tokens"] = max(r.prompt_tokens for r in self.long_results)
+            summary["long_ttft_p50_s"] = percentile(sorted(r.ttft for r in self.long_results), 50)
+        return summary
 
 
 def scrape_speedup_counters(url: str) -> SpeedupCounters:
@@ -104,7 +116,7 @@ async def one_request(
     ttft: float | None = None
     rounds = accepted = 0
     gaps: list[float] = []
-    last, tokens = start, 0
+    last, tokens, prompt_tokens = start, 0, 0
     stream = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -123,11 +135,12 @@ async def one_request(
                 gaps.append(now - last)
             last = now
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+            tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
             spec = (chunk.model_extra or {}).get("speculative") or {}
             rounds, accepted = spec.get("verify_rounds", 0), spec.get("accepted_tokens", 0)
     end = time.perf_counter()
-    return RequestResult(ttft if ttft is not None else end - start, gaps, end - start, tokens, rounds, accepted)
+    ttft = ttft if ttft is not None else end - start
+    return RequestResult(ttft, gaps, end - start, tokens, rounds, accepted, prompt_tokens)
 
 
 async def run_level(
@@ -138,17 +151,42 @@ async def run_level(
     max_tokens: int,
     temperature: float,
     penalty: float = 1.0,
+    long_prompt: str | None = None,
 ) -> LevelResult:
-    """Send every prompt with at most ``concurrency`` requests in flight."""
+    """Send every prompt with at most ``concurrency`` requests in flight; with
+    ``long_prompt``, one more client sends it back to back meanwhile (its
+    requests are reported apart and left out of the level's time)."""
     gate = asyncio.Semaphore(concurrency)
+    done = asyncio.Event()
 
     async def gated(prompt: str) -> RequestResult:
         async with gate:
             return await one_request(client, model, prompt, max_tokens, temperature, penalty)
 
+    async def long_requests() -> list[RequestResult]:
+        results = []
+        while long_prompt is not None and not done.is_set():
+            results.append(await one_request(client, model, long_prompt, LONG_PROMPT_MAX_TOKENS, temperature))
+        return results
+
+    side = asyncio.create_task(long_requests())
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(p) for p in prompts))
-    return LevelResult(concurrency, time.perf_counter() - start, list(results))
+    level = LevelResult(concurrency, time.perf_counter() - start, list(results))
+    done.set()
+    level.long_results = await side
+    return level
+
+
+LONG_PROMPT_MAX_TOKENS = 16
+
+
+def long_prompt(texts: list[str], words: int) -> str:
+    """A prompt of ``words`` words: the dataset's prompts one after another,
+    repeated as needed, with a request to summarise them."""
+    pool = " ".join(texts).split()
+    body = " ".join(pool[i % len(pool)] for i in range(words))
+    return f"Summarise the following text in one sentence.\n\n{body}"
 
 
 async def direct_level(
@@ -221,8 +259,9 @@ async def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     for concurrency in args.concurrency:
         prompts = [texts[i % len(texts)] for i in range(args.requests or max(4, 2 * concurrency))]
         before = await asyncio.to_thread(scrape_speedup_counters, args.url)
+        long = long_prompt(texts, args.long_prompt_words) if args.long_prompt_words else None
         level = await run_level(
-            client, model, prompts, concurrency, args.max_tokens, args.temperature, args.repetition_penalty
+            client, model, prompts, concurrency, args.max_tokens, args.temperature, args.repetition_penalty, long
         )
         level.achieved_speedup = level_speedup(before, await asyncio.to_thread(scrape_speedup_counters, args.url))
         summaries.append({**level.summary(), "mode": "http"})
@@ -237,9 +276,16 @@ def print_row(s: dict[str, Any]) -> None:
     print(
         f"{s['mode']:<13} {s['concurrency']:>5} {s['requests']:>5} {s['output_tokens_per_s']:>9.1f} "
         f"{s['ttft_p50_s'] * 1000:>8.0f} {s['ttft_p99_s'] * 1000:>8.0f} "
-        f"{s['itl_p50_s'] * 1000:>7.1f} {s['itl_p99_s'] * 1000:>7.1f} {s['e2e_mean_s']:>7.2f} {tau:>5} {speedup:>7}",
+        f"{s['itl_p50_s'] * 1000:>7.1f} {s['itl_p99_s'] * 1000:>7.1f} {s['itl_max_s'] * 1000:>7.0f} "
+        f"{s['e2e_mean_s']:>7.2f} {tau:>5} {speedup:>7}",
         flush=True,
     )
+    if "long_requests" in s:
+        print(
+            f"{'':<13} + {s['long_requests']} long-prompt requests ({s['long_prompt_tokens']} prompt tokens): "
+            f"TTFT p50 {s['long_ttft_p50_s'] * 1000:.0f} ms",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -254,10 +300,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset", default="humaneval", choices=sorted(DATASETS), help="the requests' prompts")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="sent as an extra field when not 1")
+    parser.add_argument(
+        "--long-prompt-words", type=int, default=0, help="also send N-word prompts back to back during each level"
+    )
     parser.add_argument("--direct-target", type=Path, help="also run the engine in-process (no HTTP) on this target")
     parser.add_argument("--direct-draft", type=Path, help="draft for --direct-target")
     args = parser.parse_args(argv)
-    columns = ("conc", 5), ("reqs", 5), ("tok/s", 9), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7)
+    columns = (
+        ("conc", 5),
+        ("reqs", 5),
+        ("tok/s", 9),
+        ("ttft50", 8),
+        ("ttft99", 8),
+        ("itl50", 7),
+        ("itl99", 7),
+        ("itlmax", 7),
+    )
     header = " ".join(f"{name:>{width}}" for name, width in columns)
     print(f"{'mode':<13} {header} {'e2e':>7} {'tau':>5} {'speedup':>7}   (ms; e2e in s; speedup: achieved)")
     summaries = asyncio.run(sweep(args))

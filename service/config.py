@@ -67,6 +67,12 @@ class ServeSettings(BaseSettings):
         ge=0,
         description="every N-th drafting step runs plain (b = 1): the achieved speedup's reference; 0: never",
     )
+    prefill_chunk_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="native engine: while requests decode, prefill a longer prompt this many tokens at a time "
+        "between their steps; 0: whole prompts",
+    )
     sglang_args: dict[str, Any] = Field(
         default_factory=dict, description="extra sglang.Engine arguments (--engine sglang), JSON: '{\"tp_size\": 2}'"
     )

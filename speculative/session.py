@@ -105,6 +105,19 @@ def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
         )
 
 
+@dataclass
+class PartialPrefill:
+    """A prompt being prefilled a chunk at a time (``DecodeSession.start_prefill``):
+    its caches, the tokens done, the last chunk's final logits [1, V], and
+    whether its row has joined (its caches are the batch's then)."""
+
+    prompt: list[int]
+    batch: RaggedBatch
+    done: int = 0
+    last_logits: torch.Tensor | None = None
+    joined: bool = False
+
+
 class DecodeSession:
     """Rows decoding together: ``add`` prefills new rows, ``step`` runs one round
     for all of them, ``remove`` frees finished rows' caches."""
@@ -176,20 +189,70 @@ class DecodeSession:
         and return each new row's first generated token."""
         if not (len(keys) == len(prompts) == len(sampling)) or not prompts:
             raise ValueError("add needs one key, prompt and sampling setting per row, and at least one row")
+        self._check_new(keys, prompts)
+        start = _clock(self.target.device)
+        batch, last_logits = self._prefill(prompts)
+        first = self._join(keys, prompts, sampling, batch, last_logits)
+        self.prefill_seconds += _clock(self.target.device) - start
+        return first
+
+    def start_prefill(self, prompt: Sequence[int]) -> PartialPrefill:
+        """A prompt to prefill a chunk at a time (``prefill_chunk``) into caches of
+        its own while the batch decodes, then join with ``add_prefilled``: a long
+        prompt then stalls the running rows for a chunk at a time, not for all of it."""
+        self._check_new([], [prompt])
+        return PartialPrefill(list(prompt), self._new_batch(1))
+
+    def prefill_chunk(self, part: PartialPrefill, max_tokens: int) -> bool:
+        """Run the target over the next ``max_tokens`` tokens of ``part``'s prompt
+        (both caches grow as in ``add``'s prefill); True once the prompt is done."""
+        start = _clock(self.target.device)
+        device = self.target.device
+        chunk = part.prompt[part.done : part.done + max_tokens]
+        ids = torch.tensor([chunk], dtype=torch.long, device=device)
+        positions = torch.arange(part.done, part.done + len(chunk), device=device)[None]
+        part.last_logits = self._prefill_forward(part.batch, ids, positions)
+        part.done += len(chunk)
+        self.prefill_seconds += _clock(self.target.device) - start
+        return part.done == len(part.prompt)
+
+    def add_prefilled(self, key: Hashable, part: PartialPrefill, sampling: SamplingParams) -> int:
+        """Join a prompt ``prefill_chunk`` finished; returns its first generated token."""
+        if part.last_logits is None or part.done < len(part.prompt):
+            raise ValueError("the prompt is not prefilled yet")
+        if part.joined:
+            raise ValueError("the prompt has joined already")
+        self._check_new([key], [])
+        start = _clock(self.target.device)
+        first = self._join([key], [part.prompt], [sampling], part.batch, part.last_logits)[key]
+        part.joined = True
+        self.prefill_seconds += _clock(self.target.device) - start
+        return first
+
+    def _check_new(self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]]) -> None:
         duplicate = set(keys) & set(self.rows.keys) or len(set(keys)) < len(keys)
         if duplicate:
             raise ValueError("row keys must be unique")
         vocab = self.target.vocab_size
-        for key, prompt in zip(keys, prompts, strict=True):
+        for prompt in prompts:
             if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt of row {key!r} is empty or has ids outside the vocabulary [0, {vocab})")
-        start = _clock(self.target.device)
+                raise ValueError(f"a prompt is empty or has ids outside the vocabulary [0, {vocab})")
+
+    def _join(
+        self,
+        keys: Sequence[Hashable],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams],
+        batch: RaggedBatch,
+        last_logits: torch.Tensor,
+    ) -> dict[Hashable, int]:
+        """Draw the first tokens of prefilled rows from their ``last_logits`` [B, V]
+        and merge their ``batch`` into the running one."""
         self._flush_context()
-        batch, last_logits = self._prefill(prompts)
         generators = make_generators(sampling, self.target.device)
         # Only penalised rows keep a token history (the others never read it).
         tracked = [p if s.penalized else () for p, s in zip(prompts, sampling, strict=True)]
-        history = TokenHistory.from_prompts(tracked, vocab, self.target.device)
+        history = TokenHistory.from_prompts(tracked, self.target.vocab_size, self.target.device)
         last_logits = penalize(last_logits[:, None], sampling, history)
         last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
         first = _sample_first(last_logits, list(sampling), generators)
@@ -207,7 +270,6 @@ class DecodeSession:
         else:
             self.batch.merge(batch)
         self.rows.extend(rows)
-        self.prefill_seconds += _clock(self.target.device) - start
         return dict(zip(keys, rows.anchors.tolist(), strict=True))
 
     def remove(self, keys: Sequence[Hashable]) -> None:
@@ -343,18 +405,27 @@ class DecodeSession:
         for i, prompt in enumerate(prompts):
             ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
             positions[i, width - len(prompt) :] = torch.arange(len(prompt), device=device)
-        batch = RaggedBatch(
-            slot_positions=torch.empty(len(prompts), 0, dtype=torch.long, device=device),
+        batch = self._new_batch(len(prompts))
+        return batch, self._prefill_forward(batch, ids, positions)
+
+    def _new_batch(self, rows: int) -> RaggedBatch:
+        """Empty caches for ``rows`` rows about to be prefilled."""
+        return RaggedBatch(
+            slot_positions=torch.empty(rows, 0, dtype=torch.long, device=self.target.device),
             target_cache=self.target.new_cache(in_place=self.in_place_cache),
             draft_cache=self.target.new_cache(in_place=self.in_place_cache) if self.draft is not None else None,
         )
+
+    def _prefill_forward(self, batch: RaggedBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append prompt tokens ``ids`` at ``positions`` [B, n] to ``batch``'s caches
+        (the draft's context too); returns the last position's logits [B, V]."""
         out = self.target.forward(
             ids, positions, batch.target_cache, batch.slot_positions, feature_layers=self.feature_layers
         )
         if self.draft is not None:
             self._append_context(batch, self.draft, out.features, positions)
         batch.commit(positions)
-        return batch, out.logits[:, -1]
+        return out.logits[:, -1]
 
     def _propose(
         self, positions: torch.Tensor, branching: bool, prefix_free: bool

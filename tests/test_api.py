@@ -316,6 +316,20 @@ def test_load_sweep_against_the_live_server(server, capsys):
         assert level["ttft_p50_s"] > 0 and level["acceptance_length"] >= 1
 
 
+def test_load_sweep_reports_what_long_prompts_cost_the_other_streams(server, capsys):
+    from bench.load import main as load
+
+    load(
+        ["--url", server[0], "--concurrency", "1", "--requests", "2", "--max-tokens", "24", "--long-prompt-words", "60"]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    (level,) = json.loads(lines[-1])["levels"]
+    assert level["requests"] == 2 and level["long_requests"] >= 1
+    assert level["long_prompt_tokens"] > 60 and level["long_ttft_p50_s"] > 0
+    assert level["itl_max_s"] >= level["itl_p99_s"] > 0
+    assert "long-prompt requests" in lines[-2]
+
+
 def test_admin_policy_endpoint(model):
     closed, _ = make_server(model)
     with closed as url:

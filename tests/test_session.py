@@ -79,6 +79,45 @@ def test_session_rejects_bad_use(qwen_pair):
     assert len(session) == 0
 
 
+def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(qwen_pair):
+    """A long prompt prefilled a few tokens at a time while another row
+    decodes joins with the same first token and the target's greedy tokens,
+    and drafts exactly what it drafts after a one-forward prefill."""
+    target, draft = qwen_pair
+    short, long = random_prompts(2, seed=41, min_len=20, max_len=20)
+    chunked, whole = DecodeSession(target, draft), DecodeSession(target, draft)
+    outputs = {"s": [chunked.add(["s"], [short], [SamplingParams()])["s"]]}
+    part = chunked.start_prefill(long)
+    chunks = 0
+    while not chunked.prefill_chunk(part, 6):  # 20 tokens: 6 + 6 + 6 + 2
+        chunks += 1
+        outputs["s"] += chunked.step(4)[1]["s"]  # the running row decodes between chunks
+    assert chunks == 3 and part.done == len(long)
+    outputs["l"] = [chunked.add_prefilled("l", part, SamplingParams())]
+    assert outputs["l"] == [whole.add(["l"], [long], [SamplingParams()])["l"]]
+    chunked.remove(["s"])
+    for b in (16, 4, 16):
+        (chunked_stats, chunked_out), (whole_stats, whole_out) = chunked.step(b), whole.step(b)
+        assert chunked_out == whole_out and chunked_stats.committed == whole_stats.committed
+        outputs["l"] += chunked_out["l"]
+    assert outputs["l"] == reference_greedy(target, long, len(outputs["l"]))
+
+
+def test_a_partial_prefill_refuses_to_join_early_or_twice(qwen_pair):
+    target, draft = qwen_pair
+    session = DecodeSession(target, draft)
+    part = session.start_prefill([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="not prefilled"):
+        session.add_prefilled("p", part, SamplingParams())
+    assert session.prefill_chunk(part, 8)
+    session.add_prefilled("p", part, SamplingParams())
+    with pytest.raises(ValueError, match="joined already"):
+        session.add_prefilled("q", part, SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        session.start_prefill([10_000])
+    assert len(session) == 1
+
+
 def test_plain_rounds_project_the_draft_context_at_the_next_drafting_round(qwen_pair, monkeypatch):
     """A plain round's draft context waits: the next drafting round projects
     every waiting token in one call (then its own block), and a long plain

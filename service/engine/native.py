@@ -47,7 +47,7 @@ from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
 from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
-from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, Proposal, RoundStats
+from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, PartialPrefill, Proposal, RoundStats
 from speculative.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,10 @@ class NativeEngineConfig:
     ``branches``: candidates verified for the first drafted slot
     (``DecodeSession``; 1: the draft's chain alone). ``lookup``: n-gram
     lookup tokens verified beside the draft (``DecodeSession``; 0: none),
-    continued from the draft's n-gram table with ``lookup_table``."""
+    continued from the draft's n-gram table with ``lookup_table``.
+    ``prefill_chunk``: a prompt longer than this many tokens is prefilled
+    that many at a time, one chunk between two steps, so it stalls the
+    running streams for a chunk at a time (0: whole prompts)."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -82,12 +85,14 @@ class NativeEngineConfig:
     branches: int = 1
     lookup: int = 0
     lookup_table: bool = True
+    prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
-        counts = self.max_waiting, self.plain_reference_every, self.threads, self.lookup
+        counts = self.max_waiting, self.plain_reference_every, self.threads, self.lookup, self.prefill_chunk
         if min(self.max_batch_size, self.branches) < 1 or min(counts) < 0:
             raise ValueError(
-                "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every, threads and lookup >= 0"
+                "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every, threads, lookup "
+                "and prefill_chunk >= 0"
             )
 
 
@@ -160,6 +165,7 @@ class NativeEngine:
         check_policy(self._policy, self.session.max_block_size)
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: dict[Hashable, _Job] = {}  # by request id: the session's row key
+        self._chunking: collections.deque[tuple[_Job, PartialPrefill]] = collections.deque()  # long prompts
         self._prefilling = 0  # admitted, not yet running: they count against the queue limit
         self._lock = threading.Condition()
         self._draining = False
@@ -203,6 +209,7 @@ class NativeEngine:
             branches=settings.branches,
             lookup=settings.lookup,
             lookup_table=settings.lookup_table,
+            prefill_chunk=settings.prefill_chunk_tokens,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step, on_prefill=metrics.observe_prefill)
 
@@ -218,7 +225,7 @@ class NativeEngine:
         with self._lock:
             self._draining = self._stopped = True
             if not drain:
-                for job in [*self._waiting, *self._running.values()]:
+                for job in self._admitted_jobs():
                     job.aborted = True
             self._lock.notify_all()
         if self._thread.is_alive():
@@ -293,10 +300,14 @@ class NativeEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request; its row is freed before the next step."""
         with self._lock:
-            for job in [*self._waiting, *self._running.values()]:
+            for job in self._admitted_jobs():
                 if job.request.request_id == request_id:
                     job.aborted = True
             self._lock.notify_all()
+
+    def _admitted_jobs(self) -> list[_Job]:
+        """Every request not finished yet: waiting, prefilling in chunks, running (hold the lock)."""
+        return [*self._waiting, *(job for job, _ in self._chunking), *self._running.values()]
 
     def _validate(self, request: GenerateRequest) -> None:
         if not request.prompt_ids:
@@ -315,17 +326,19 @@ class NativeEngine:
             torch.set_num_threads(self.config.threads)
         while True:
             with self._lock:
-                while not self._waiting and not self._running and not self._stopped:
+                while not self._waiting and not self._running and not self._chunking and not self._stopped:
                     self._lock.wait()
-                if self._stopped and not self._waiting and not self._running:
+                if self._stopped and not self._waiting and not self._running and not self._chunking:
                     return
                 admitted = self._admit()
-                self._prefilling = len(admitted)
+                self._prefilling = len(admitted) + len(self._chunking)
                 policy = self._policy
             try:
                 self._drop_aborted()
                 if admitted:
                     self._prefill(admitted)
+                if self._chunking:
+                    self._prefill_chunk()
                 if self._running:
                     self._step(policy)
             except Exception:  # a failure outside the isolated prefill and round must not leave requests hanging
@@ -333,7 +346,7 @@ class NativeEngine:
                 self._fail_all(admitted)
 
     def _admit(self) -> list[_Job]:
-        free = self.config.max_batch_size - len(self._running)
+        free = self.config.max_batch_size - len(self._running) - len(self._chunking)
         admitted = []
         while self._waiting and free > 0:
             job = self._waiting.popleft()
@@ -345,9 +358,17 @@ class NativeEngine:
         return admitted
 
     def _prefill(self, jobs: list[_Job]) -> None:
-        """Prefill ``jobs`` together. A prefill that raises (``add`` changes
+        """Prefill ``jobs`` together; prompts longer than ``prefill_chunk`` go to
+        ``_prefill_chunk`` instead. A prefill that raises (``add`` changes
         nothing then) is retried on each half, down to single requests: only a
         request that fails on its own gets an error."""
+        chunk = self.config.prefill_chunk
+        if chunk and any(len(j.request.prompt_ids) > chunk for j in jobs):
+            for job in (j for j in jobs if len(j.request.prompt_ids) > chunk):
+                self._start_chunked(job)
+            jobs = [j for j in jobs if len(j.request.prompt_ids) <= chunk]
+            if not jobs:
+                return
         keys = [j.request.request_id for j in jobs]
         started = time.perf_counter()
         try:
@@ -370,6 +391,46 @@ class NativeEngine:
         # Every running row waited for it: the achieved speedup charges it to both sides (service/metrics.py).
         if self.on_prefill is not None:
             self.on_prefill(joined, time.perf_counter() - started)
+
+    def _start_chunked(self, job: _Job) -> None:
+        """Queue a long prompt for ``_prefill_chunk``; only it fails if that fails."""
+        try:
+            part = self.session.start_prefill(job.request.prompt_ids)
+        except Exception:
+            log.exception("request %s failed its prefill", job.request.request_id)
+            with self._lock:
+                self._prefilling -= 1
+            job.send(Delta("", (), "error"))
+            return
+        with self._lock:
+            self._chunking.append((job, part))
+
+    def _prefill_chunk(self) -> None:
+        """Prefill the next chunk of the oldest long prompt; join it once done.
+        Chunks even when no row decodes: a request may arrive meanwhile, and
+        prefilling the rest at once kept it waiting up to 2.8 s (docs/LOG.md)."""
+        job, part = self._chunking[0]
+        key = job.request.request_id
+        started = time.perf_counter()
+        try:
+            done = self.session.prefill_chunk(part, self.config.prefill_chunk)
+            first = self.session.add_prefilled(key, part, job.request.sampling) if done else None
+        except Exception:
+            log.exception("request %s failed its prefill", key)
+            with self._lock:
+                self._chunking.popleft()
+                self._prefilling -= 1
+            job.send(Delta("", (), "error"))
+            return
+        rows = len(self.session) + (first is None)  # the rows that waited for this chunk, and its own
+        if first is not None:
+            with self._lock:
+                self._chunking.popleft()
+                self._running[key] = job
+                self._prefilling -= 1
+            self._deliver({key: [first]}, None)
+        if self.on_prefill is not None:
+            self.on_prefill(rows, time.perf_counter() - started)
 
     def _step(self, policy: BlockPolicy) -> None:
         b = self._turns.block_size(policy, len(self.session))
@@ -428,6 +489,11 @@ class NativeEngine:
     def _drop_aborted(self) -> None:
         with self._lock:
             gone = [key for key, job in self._running.items() if job.aborted]
+            dropped = [job for job, _ in self._chunking if job.aborted]
+            self._chunking = collections.deque((job, part) for job, part in self._chunking if not job.aborted)
+            self._prefilling -= len(dropped)
+        for job in dropped:
+            job.send(Delta("", (), "abort"))
         for key in gone:
             self._running[key].send(Delta("", (), "abort"))
         self._finish(gone)
@@ -441,14 +507,16 @@ class NativeEngine:
                 self._running.pop(key, None)
 
     def _fail_all(self, admitted: list[_Job]) -> None:
-        """End every running request, and those admitted in this iteration, with an error."""
+        """End every running request, those in their chunks, and those admitted in this iteration, with an error."""
         with self._lock:
-            jobs = [*self._running.values(), *(j for j in admitted if j.request.request_id not in self._running)]
+            held = [*self._running.values(), *(job for job, _ in self._chunking)]
+            jobs = [*held, *(j for j in admitted if all(j is not h for h in held))]
             self._running.clear()
+            self._chunking.clear()
             self._prefilling = 0
         for job in jobs:
             job.send(Delta("", (), "error"))
-        self.session.remove([j.request.request_id for j in jobs])
+        self.session.remove([j.request.request_id for j in jobs])  # a chunked prompt holds no row yet
 
 
 Round = tuple[RoundStats, dict[Hashable, list[int]]]

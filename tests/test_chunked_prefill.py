@@ -1,0 +1,165 @@
+"""A long prompt joins a busy engine a chunk at a time: the running requests
+keep stepping between its chunks, everyone still gets the target's greedy
+tokens, and a long prompt that fails or is abandoned mid-prefill harms no one."""
+
+import asyncio
+import itertools
+
+from test_engine import collect, greedy, prompts, run
+
+from service.engine import GenerateRequest, NativeEngine, NativeEngineConfig
+from speculative.policy import BlockPolicy
+
+LONG = tuple(10 + (11 * j) % 300 for j in range(40))
+
+
+def engine_with_events(pair, **config):
+    """An engine that logs ("step", batch) and ("prefill", batch) in order."""
+    target, draft, tokenizer = pair
+    events: list[tuple[str, int]] = []
+    engine = NativeEngine(
+        target,
+        draft,
+        tokenizer,
+        NativeEngineConfig(policy=BlockPolicy.fixed(4), **config),
+        on_step=lambda stats, *_: events.append(("step", stats.batch_size)),
+        on_prefill=lambda batch, _: events.append(("prefill", batch)),
+    )
+    return engine, events
+
+
+async def until(condition, seconds: float = 60.0) -> None:
+    """Wait for ``condition()`` (a failed test, not a hung one, if it never holds)."""
+    for _ in range(int(seconds / 0.002)):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("timed out")
+
+
+async def once_decoding(engine) -> None:
+    """Until a row decodes (past its prefill: admitted alone counts as running)."""
+    await until(lambda: len(engine.session) >= 1)
+
+
+async def once_admitted(engine, requests: int) -> None:
+    await until(lambda: engine.stats().running >= requests)
+
+
+def long_beside_short(engine, short_tokens: int, long_tokens: int):
+    """A short-prompt request runs; then LONG arrives. Returns both (deltas, ids, text)."""
+
+    async def main():
+        short = asyncio.create_task(collect(engine, GenerateRequest("s", prompts(1)[0], short_tokens)))
+        await once_decoding(engine)
+        long = await collect(engine, GenerateRequest("l", LONG, long_tokens))
+        return await short, long
+
+    return run(engine, main())
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_requests_steps(pair):
+    target = pair[0]
+    engine, events = engine_with_events(pair, prefill_chunk=8)
+    (_, short_ids, _), (_, long_ids, _) = long_beside_short(engine, 300, 30)
+    assert short_ids == greedy(target, prompts(1)[0], 300)
+    assert long_ids == greedy(target, LONG, 30)
+    chunks = [i for i, event in enumerate(events) if event == ("prefill", 2)]
+    assert len(chunks) == 5  # 40 tokens, 8 at a time, each filed under the 2 rows it held up
+    assert all(("step", 1) in events[a:b] for a, b in itertools.pairwise(chunks))
+
+
+def test_a_request_arriving_during_a_lone_long_prefill_waits_one_chunk(pair):
+    """Nothing decodes, yet the long prompt still goes a chunk at a time: a
+    request that arrives meanwhile joins after the next chunk, not after the
+    whole prompt."""
+    target = pair[0]
+    engine, events = engine_with_events(pair, prefill_chunk=4)
+    long_prompt = LONG * 2  # 20 chunks
+
+    async def main():
+        long = asyncio.create_task(collect(engine, GenerateRequest("l", long_prompt, 5)))
+        await until(lambda: sum(e[0] == "prefill" for e in events) >= 2)
+        short = await collect(engine, GenerateRequest("s", prompts(1)[0], 5))
+        return await long, short
+
+    (_, long_ids, _), (_, short_ids, _) = run(engine, main())
+    assert long_ids == greedy(target, long_prompt, 5) and short_ids == greedy(target, prompts(1)[0], 5)
+    prefills = [e for e in events if e[0] == "prefill"]
+    assert len(prefills) == 21  # 20 chunks and the short prompt's prefill
+    assert ("prefill", 2) in prefills  # chunks ran while the short request decoded: it joined between two
+
+
+def test_a_request_abandoned_mid_prefill_frees_its_place(pair):
+    target, _, _ = pair
+    engine, events = engine_with_events(pair, prefill_chunk=2)
+    long_prompt = LONG * 5  # 100 chunks: still prefilling when its client leaves
+
+    async def main():
+        short = asyncio.create_task(collect(engine, GenerateRequest("s", prompts(1)[0], 400)))
+        await once_decoding(engine)
+        stream = engine.generate(GenerateRequest("gone", long_prompt, 10))
+        pending = asyncio.create_task(anext(stream))
+        await once_admitted(engine, 2)
+        assert len(engine.session) == 1  # the long prompt is in its chunks, not yet a row
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await stream.aclose()
+        await until(lambda: engine.stats().running <= 1)
+        freed_after = sum(e == ("prefill", 2) for e in events)
+        _, ids, _ = await short
+        return freed_after, ids
+
+    freed_after, ids = run(engine, main())
+    assert freed_after < 100 and sum(e == ("prefill", 2) for e in events) == freed_after
+    assert ids == greedy(target, prompts(1)[0], 400)
+    assert engine.stats().running == 0 and len(engine.session) == 0
+
+
+def test_a_chunk_that_fails_fails_only_its_request(pair, monkeypatch):
+    target = pair[0]
+    engine, _ = engine_with_events(pair, prefill_chunk=8)
+    chunk = engine.session.prefill_chunk
+
+    def failing(part, tokens):
+        if part.done >= 16:
+            raise RuntimeError("injected")
+        return chunk(part, tokens)
+
+    monkeypatch.setattr(engine.session, "prefill_chunk", failing)
+    (_, short_ids, _), (long_deltas, long_ids, _) = long_beside_short(engine, 200, 10)
+    assert short_ids == greedy(target, prompts(1)[0], 200)
+    assert long_ids == [] and long_deltas[-1].finish_reason == "error"
+    assert engine.stats().running == 0
+
+
+def test_a_prompt_in_its_chunks_holds_a_batch_place(pair):
+    """With two places, a running request and a long prompt in its chunks fill
+    the batch: a third request waits while the chunks go on."""
+    target = pair[0]
+    engine, events = engine_with_events(pair, prefill_chunk=2, max_batch_size=2)
+    long_prompt = LONG * 2  # 40 chunks
+
+    def chunks() -> int:
+        return sum(e == ("prefill", 2) for e in events)
+
+    async def main():
+        short = asyncio.create_task(collect(engine, GenerateRequest("s", prompts(1)[0], 300)))
+        await once_decoding(engine)
+        long = asyncio.create_task(collect(engine, GenerateRequest("l", long_prompt, 5)))
+        await once_admitted(engine, 2)
+        third = asyncio.create_task(collect(engine, GenerateRequest("t", prompts(2)[1], 5)))
+        await until(lambda: engine.stats().waiting == 1)
+        seen = chunks()
+        await until(lambda: chunks() >= seen + 3)
+        stats = engine.stats()
+        held = (stats.running, stats.waiting, chunks() < 40)
+        return held, await short, await long, await third
+
+    held, *results = run(engine, main())
+    assert held == (2, 1, True)
+    assert [ids for _, ids, _ in results] == [
+        greedy(target, prompts(1)[0], 300),
+        greedy(target, long_prompt, 5),
+        greedy(target, prompts(2)[1], 5),
+    ]
