@@ -163,18 +163,18 @@ async def run_level(
         async with gate:
             return await one_request(client, model, prompt, max_tokens, temperature, penalty)
 
-    async def long_requests() -> list[RequestResult]:
+    async def long_requests(prompt: str) -> list[RequestResult]:
         results = []
-        while long_prompt is not None and not done.is_set():
-            results.append(await one_request(client, model, long_prompt, LONG_PROMPT_MAX_TOKENS, temperature))
+        while not done.is_set():
+            results.append(await one_request(client, model, prompt, LONG_PROMPT_MAX_TOKENS, temperature))
         return results
 
-    side = asyncio.create_task(long_requests())
+    side = asyncio.create_task(long_requests(long_prompt)) if long_prompt else None
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(p) for p in prompts))
     level = LevelResult(concurrency, time.perf_counter() - start, list(results))
     done.set()
-    level.long_results = await side
+    level.long_results = await side if side else []
     return level
 
 

@@ -4,6 +4,8 @@ tokens, and a long prompt that fails or is abandoned mid-prefill harms no one.""
 
 import asyncio
 import itertools
+import threading
+import time
 
 from test_engine import collect, greedy, prompts, run
 
@@ -37,6 +39,24 @@ async def until(condition, seconds: float = 60.0) -> None:
     raise AssertionError("timed out")
 
 
+def hold(engine, method: str, holds: dict) -> None:
+    """Call ``n`` of ``engine.session.<method>`` (0-based) first waits, on the
+    scheduler thread, until ``holds[n]()``: the test acts at a known point of
+    the schedule, however slowly its own event loop runs."""
+    original, calls = getattr(engine.session, method), itertools.count()
+
+    def held(*args):
+        condition = holds.get(next(calls))
+        deadline = time.monotonic() + 60.0
+        while condition is not None and not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{method} held for 60 s")
+            time.sleep(0.002)
+        return original(*args)
+
+    setattr(engine.session, method, held)
+
+
 async def once_decoding(engine) -> None:
     """Until a row decodes (past its prefill: admitted alone counts as running)."""
     await until(lambda: len(engine.session) >= 1)
@@ -47,7 +67,9 @@ async def once_admitted(engine, requests: int) -> None:
 
 
 def long_beside_short(engine, short_tokens: int, long_tokens: int):
-    """A short-prompt request runs; then LONG arrives. Returns both (deltas, ids, text)."""
+    """A short-prompt request runs; then LONG arrives (the short one's first
+    step waits for it, so it is still decoding). Returns both (deltas, ids, text)."""
+    hold(engine, "step", {0: lambda: engine.stats().waiting >= 1})
 
     async def main():
         short = asyncio.create_task(collect(engine, GenerateRequest("s", prompts(1)[0], short_tokens)))
@@ -76,6 +98,7 @@ def test_a_request_arriving_during_a_lone_long_prefill_waits_one_chunk(pair):
     target = pair[0]
     engine, events = engine_with_events(pair, prefill_chunk=4)
     long_prompt = LONG * 2  # 20 chunks
+    hold(engine, "prefill_chunk", {2: lambda: engine.stats().waiting >= 1})  # the third waits for the short one
 
     async def main():
         long = asyncio.create_task(collect(engine, GenerateRequest("l", long_prompt, 5)))
@@ -93,7 +116,9 @@ def test_a_request_arriving_during_a_lone_long_prefill_waits_one_chunk(pair):
 def test_a_request_abandoned_mid_prefill_frees_its_place(pair):
     target, _, _ = pair
     engine, events = engine_with_events(pair, prefill_chunk=2)
-    long_prompt = LONG * 5  # 100 chunks: still prefilling when its client leaves
+    long_prompt = LONG * 5  # 100 chunks
+    left = threading.Event()
+    hold(engine, "prefill_chunk", {2: left.is_set})  # still prefilling when its client leaves
 
     async def main():
         short = asyncio.create_task(collect(engine, GenerateRequest("s", prompts(1)[0], 400)))
@@ -105,13 +130,14 @@ def test_a_request_abandoned_mid_prefill_frees_its_place(pair):
         pending.cancel()
         await asyncio.gather(pending, return_exceptions=True)
         await stream.aclose()
+        left.set()
         await until(lambda: engine.stats().running <= 1)
         freed_after = sum(e == ("prefill", 2) for e in events)
         _, ids, _ = await short
         return freed_after, ids
 
     freed_after, ids = run(engine, main())
-    assert freed_after < 100 and sum(e == ("prefill", 2) for e in events) == freed_after
+    assert freed_after <= 4 and sum(e == ("prefill", 2) for e in events) == freed_after
     assert ids == greedy(target, prompts(1)[0], 400)
     assert engine.stats().running == 0 and len(engine.session) == 0
 

@@ -363,22 +363,19 @@ class NativeEngine:
         nothing then) is retried on each half, down to single requests: only a
         request that fails on its own gets an error."""
         chunk = self.config.prefill_chunk
-        if chunk and any(len(j.request.prompt_ids) > chunk for j in jobs):
-            for job in (j for j in jobs if len(j.request.prompt_ids) > chunk):
-                self._start_chunked(job)
-            jobs = [j for j in jobs if len(j.request.prompt_ids) <= chunk]
-            if not jobs:
-                return
+        long = [j for j in jobs if chunk and len(j.request.prompt_ids) > chunk]
+        for job in long:
+            self._start_chunked(job)
+        jobs = [j for j in jobs if j not in long]
+        if not jobs:
+            return
         keys = [j.request.request_id for j in jobs]
         started = time.perf_counter()
         try:
             first = self.session.add(keys, [j.request.prompt_ids for j in jobs], [j.request.sampling for j in jobs])
         except Exception:
             if len(jobs) == 1:
-                log.exception("request %s failed its prefill", keys[0])
-                with self._lock:
-                    self._prefilling -= 1
-                jobs[0].send(Delta("", (), "error"))
+                self._fail_prefill(jobs[0])
                 return
             self._prefill(jobs[: len(jobs) // 2])
             self._prefill(jobs[len(jobs) // 2 :])
@@ -392,15 +389,19 @@ class NativeEngine:
         if self.on_prefill is not None:
             self.on_prefill(joined, time.perf_counter() - started)
 
+    def _fail_prefill(self, job: _Job) -> None:
+        """End ``job``, whose prefill raised on its own, with an error (called inside ``except``)."""
+        log.exception("request %s failed its prefill", job.request.request_id)
+        with self._lock:
+            self._prefilling -= 1
+        job.send(Delta("", (), "error"))
+
     def _start_chunked(self, job: _Job) -> None:
         """Queue a long prompt for ``_prefill_chunk``; only it fails if that fails."""
         try:
             part = self.session.start_prefill(job.request.prompt_ids)
         except Exception:
-            log.exception("request %s failed its prefill", job.request.request_id)
-            with self._lock:
-                self._prefilling -= 1
-            job.send(Delta("", (), "error"))
+            self._fail_prefill(job)
             return
         with self._lock:
             self._chunking.append((job, part))
@@ -416,11 +417,9 @@ class NativeEngine:
             done = self.session.prefill_chunk(part, self.config.prefill_chunk)
             first = self.session.add_prefilled(key, part, job.request.sampling) if done else None
         except Exception:
-            log.exception("request %s failed its prefill", key)
             with self._lock:
                 self._chunking.popleft()
-                self._prefilling -= 1
-            job.send(Delta("", (), "error"))
+            self._fail_prefill(job)
             return
         rows = len(self.session) + (first is None)  # the rows that waited for this chunk, and its own
         if first is not None:
