@@ -170,16 +170,23 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(tokens, (cumulative < total).sum(dim=-1))
 
 
-def suppress_early(logits: torch.Tensor, params: Sequence[SamplingParams], generated: Sequence[int]) -> torch.Tensor:
+def suppress_early(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generated: Sequence[int],
+    depths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Logits [B, n, V] with each row's ``suppressed`` tokens at -inf where
-    position j would be generated token ``generated[row] + j`` (0-based) and
-    that is still below the row's ``min_tokens``."""
+    position j would be generated token ``generated[row] + depth_j`` (0-based)
+    and that is still below the row's ``min_tokens``; ``depths`` [n] (a tree's
+    ``DraftTree.depths``) default to j, a chain."""
     pairs = enumerate(zip(params, generated, strict=True))
     rows = [i for i, (p, done) in pairs if p.suppressing(done)]
     if not rows:
         return logits
     logits = logits.clone()
+    depth = torch.arange(logits.shape[1]) if depths is None else depths.cpu()
     for i in rows:
-        early = max(0, min(logits.shape[1], params[i].min_tokens - generated[i]))
-        logits[i, :early, list(params[i].suppressed)] = float("-inf")
+        early = (depth < params[i].min_tokens - generated[i]).nonzero()
+        logits[i, early.to(logits.device), list(params[i].suppressed)] = float("-inf")
     return logits

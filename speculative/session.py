@@ -18,8 +18,8 @@ from the anchor (``speculative.tree``): an n-gram lookup continuation
 (``lookup``, ``speculative.lookup``) and the draft's runner-up tokens for the
 first slot (``branches``); a greedy row commits the path the target accepts
 furthest, a sampled row the path recursive rejection sampling takes
-(``verify_sampled_tree``). Not for rows with penalties or early-stop
-suppression (``_prefix_free``).
+(``verify_sampled_tree``). Rows with penalties or early-stop suppression
+too: each slot's distribution is adjusted for its own path (``_adjusted``).
 
 ``b = 1`` is plain decoding; the draft's context still grows in such rounds, so
 speculation can resume at any later round.
@@ -354,14 +354,10 @@ class DecodeSession:
     def _round(self, block_size: int) -> tuple[RoundStats, dict[Hashable, list[int]]]:
         batch, device = self._batch(), self.target.device
         start = batch.lengths[:, None]  # the anchor's position
-        prefix_free = self._prefix_free()
-        tree_round = block_size > 1 and prefix_free
         t0 = _clock(device)
-        branching = tree_round and self.branches > 1
-        drafts, draft_probs, alternates = self._propose(
-            start + torch.arange(block_size, device=device), branching, prefix_free
-        )
-        lookup, lookup_valid = self._lookup(start, tree_round and self.lookup > 0)
+        branching = block_size > 1 and self.branches > 1
+        drafts, draft_probs, alternates = self._propose(start + torch.arange(block_size, device=device), branching)
+        lookup, lookup_valid = self._lookup(start, block_size > 1 and self.lookup > 0)
         t1 = _clock(device)
         tree = DraftTree.build(block_size, alternates.shape[1], lookup.shape[1])
         block = torch.cat([self.rows.anchors[:, None], drafts, alternates, lookup], dim=1)
@@ -428,12 +424,11 @@ class DecodeSession:
         return out.logits[:, -1]
 
     def _propose(
-        self, positions: torch.Tensor, branching: bool, prefix_free: bool
+        self, positions: torch.Tensor, branching: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Draft b-1 tokens per row in one draft forward; returns the drafts [B, b-1],
         for sampled proposals their distributions q [B, b-1, V], and, when
-        ``branching``, the alternates for the first drafted slot [B, m] (``_alternates``).
-        ``prefix_free``: the round's ``_prefix_free()``, so nothing adjusts the draft's logits."""
+        ``branching``, the alternates for the first drafted slot [B, m] (``_alternates``)."""
         anchors = self.rows.anchors
         none = anchors.new_empty(len(anchors), 0)
         if positions.shape[1] == 1:
@@ -446,7 +441,7 @@ class DecodeSession:
         embeddings = self.target.embed(block) * draft.config.input_embedding_scale
         hidden = draft(embeddings, positions, draft_context(batch.draft_cache), batch.slot_positions)
         argmax = self.proposal == "argmax" or self.all_greedy
-        if argmax and draft.draft_vocab_ids is not None and prefix_free:
+        if argmax and draft.draft_vocab_ids is not None and not self._adjusting():
             # Nothing adjusts these logits and no q is needed: choose among the draft
             # vocabulary's K columns, never scattering them into V (the scatter, topk and
             # argmax over 49k logits were a sixth of this method on SmolLM2; docs/LOG.md).
@@ -466,14 +461,10 @@ class DecodeSession:
             drafts = sample_positions(q, self.rows.generators)
         return drafts, q, self._alternates(logits[:, 0], drafts[:, 0]) if branching else none
 
-    def _prefix_free(self) -> bool:
-        """Whether a drafting round may verify paths other than the chain
-        (lookup and alternates): no row with penalties or early-stop suppression. A candidate
-        path's exact prefix differs from the chain's, and then no row's
-        distribution depends on its prefix beyond what the target computes.
-        Greedy and sampled rows alike (``verify_greedy_tree``, ``verify_sampled_tree``)."""
+    def _adjusting(self) -> bool:
+        """Whether some row adjusts its logits (``_adjusted``: penalties, early-stop suppression)."""
         rows = zip(self.rows.params, self.rows.generated, strict=True)
-        return all(not p.penalized and not p.suppressing(n) for p, n in rows)
+        return any(p.penalized or p.suppressing(n) for p, n in rows)
 
     def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
         """The draft's next ``branches - 1`` most likely tokens for the first
@@ -497,11 +488,20 @@ class DecodeSession:
         valid = torch.tensor([[j < len(f) for j in range(width)] for f in found], device=device)
         return tokens, valid & (start + 1 + torch.arange(width, device=device) < self.target.context_length)
 
-    def _adjusted(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+    def _adjusted(
+        self, logits: torch.Tensor, block: torch.Tensor | None = None, tree: DraftTree | None = None
+    ) -> torch.Tensor:
         """The rows' penalties and early stop suppression on block logits [B, n, V]:
-        the same for the draft's q and the target's p, which exactness needs."""
-        logits = penalize(logits, self.rows.params, self.rows.history, drafts)
-        return suppress_early(logits, self.rows.params, self.rows.generated)
+        the same for the draft's q and the target's p, which exactness needs.
+        With the verify ``block`` [B, n] and its ``tree``, each slot's distribution
+        is adjusted for its own path (the tokens on it, its depth): the one plain
+        decoding would use after that prefix, whichever path the row commits.
+        Without them, every position as right after the committed tokens."""
+        device, params = logits.device, self.rows.params
+        drafts = None if block is None else block[:, 1:]
+        paths, depths = (None, None) if tree is None else (tree.visibility(device), tree.depths(device))
+        logits = penalize(logits, params, self.rows.history, drafts, paths)
+        return suppress_early(logits, params, self.rows.generated, depths)
 
     def _accept(
         self,
@@ -512,16 +512,15 @@ class DecodeSession:
         target_logits: torch.Tensor,
     ) -> Verdict:
         params = self.rows.params
+        # Each slot's distribution is adjusted as after its exact prefix: the anchor and its path.
+        target_logits = self._adjusted(target_logits, block, tree)
         if tree.width > tree.chain:
-            # Only rounds whose rows have nothing to adjust get a tree (``_prefix_free``).
             valid = torch.cat([lookup_valid.new_ones(len(block), tree.lookup_start), lookup_valid], dim=1)
             if self.all_greedy:
                 return verify_greedy_tree(block, valid, tree, target_logits)
             target_probs = probabilities(target_logits, params)
             return verify_sampled_tree(block, valid, tree, draft_probs, target_probs, self.rows.generators)
         drafts = block[:, 1:]
-        # Slot j's distribution is penalised as after the anchor and drafts 1..j (its exact prefix).
-        target_logits = self._adjusted(target_logits, drafts)
         if self.all_greedy:
             return verify_greedy(drafts, target_logits)
         return verify_sampled(drafts, draft_probs, probabilities(target_logits, params), self.rows.generators)

@@ -168,7 +168,7 @@ def verify_sampled_tree(
         accept_alternate = torch.zeros_like(done)
         for slot in range(tree.chain, tree.lookup_start if depth == 1 else tree.chain):
             z = block[:, slot]
-            tried = ~done & ~accept_chain & ~accept_lookup & ~accept_alternate
+            tried = ~done & filled[:, slot] & ~accept_chain & ~accept_lookup & ~accept_alternate
             r_z = residual.gather(1, z[:, None]).squeeze(1)
             taken = tried & (u[:, 2 * depths + slot - tree.chain] * residual.sum(1) < r_z)
             rejected = tried & ~taken

@@ -33,8 +33,8 @@ class FaultySession(DecodeSession):
         part.fail_prefill, part.fail_round = self.fail_prefill, self.fail_round
         return part
 
-    def _accept(self, block, tree, lookup_valid, draft_probs, target_logits):
-        verdict = super()._accept(block, tree, lookup_valid, draft_probs, target_logits)
+    def _accept(self, *args):
+        verdict = super()._accept(*args)
         if self.fail_round(list(self.rows.keys)):
             raise RuntimeError("injected round fault")
         return verdict

@@ -421,15 +421,21 @@ def test_min_tokens_keeps_suppressed_tokens_out_exactly(small_vocab):
     reference = spec_generate(target, None, [PROMPT], DecodeConfig(1, 6), rule).tokens[0]
     assert banned not in reference[:minimum] and reference != plain
     assert spec_generate(target, drafts["good"], [PROMPT], DecodeConfig(4, 6), rule).tokens[0] == reference
+    # With alternates and lookup paths, each slot suppressed by its own depth.
+    tree = DecodeConfig(4, 6, branches=3, lookup=4)
+    mixed = spec_generate(target, drafts["good"], [PROMPT, LOOKUP_PROMPT], tree, [rule, SamplingParams()])
+    assert mixed.tokens[0] == reference
 
     def mask(logits, prefix):
         return logits.masked_fill(torch.arange(V) == banned, float("-inf")) if len(prefix) < minimum else logits
 
     exact = exact_joint(target, SamplingParams(1.0), transform=mask)
     rows = [SamplingParams(1.0, seed=i, min_tokens=minimum, suppressed=(banned,)) for i in range(ROWS)]
-    result = spec_generate(target, drafts["good"], [PROMPT] * ROWS, DecodeConfig(4, K, proposal="sample"), rows)
-    codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
-    assert chi_square_pvalue(torch.bincount(codes, minlength=V**K), exact) > ALPHA
+    for config in (DecodeConfig(4, K, proposal="sample"), DecodeConfig(4, K, proposal="sample", branches=3)):
+        result = spec_generate(target, drafts["good"], [PROMPT] * ROWS, config, rows)
+        codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])
+        assert chi_square_pvalue(torch.bincount(codes, minlength=V**K), exact) > ALPHA
+    assert sum(r.branches_taken for r in result.rounds) > ROWS // 100
 
 
 def test_a_point_mass_row_is_taken_without_a_draw():

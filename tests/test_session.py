@@ -162,7 +162,7 @@ def test_draft_vocabulary_proposals_equal_the_full_vocabularys_choice(qwen_pair)
         session.add([0, 1, 2], prompts, [params] * 3)
         positions = session.batch.lengths[:, None] + torch.arange(4)
         with torch.inference_mode():
-            drafts, q, alternates = session._propose(positions, True, session._prefix_free())
+            drafts, q, alternates = session._propose(positions, True)
             full = session._adjusted(draft_logits(hidden[-1], target))
         assert q is None and torch.equal(drafts, full.argmax(-1))
         assert torch.equal(alternates, full[:, 0].topk(4).indices[:, 1:])
