@@ -76,7 +76,7 @@ def make_server(
     ``prefill_cost`` does the same for every prefill."""
     root, target, draft, tokenizer = model
     engine_keys = ("max_batch_size", "max_waiting", "plain_reference_every")
-    engine_config = {k: settings.pop(k) for k in engine_keys if k in settings}
+    engine_config = {k: settings[k] for k in engine_keys if k in settings}  # the settings keep them too
     metrics = Metrics()
 
     def on_step(stats, seconds, output_tokens):

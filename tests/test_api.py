@@ -86,6 +86,61 @@ def test_streaming_matches_non_streaming_and_reports_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
 
 
+def test_n_choices_greedy_repeat_one_reply_and_seeded_ones_repeat_the_single_seeded_replies(model, client):
+    """Each choice is its own request: greedy choices are the offline greedy
+    reply, and with a seed, choice i is the reply a single request with seed + i
+    gets; the prompt counts once in ``usage``."""
+    tokenizer = model[3]
+    kwargs = dict(model="target", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12)
+    greedy = client.chat.completions.create(n=3, temperature=0, **kwargs)
+    expected, ids = greedy_text(model, user_prompt_ids(tokenizer, ["def add(a, b):"])[0], 12)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.message.content for c in greedy.choices] == [expected] * 3
+    assert greedy.usage.completion_tokens == 3 * len(ids)
+    assert greedy.usage.prompt_tokens == len(user_prompt_ids(tokenizer, ["def add(a, b):"])[0])
+    sampled = client.chat.completions.create(n=4, temperature=1.0, seed=5, **kwargs)
+    texts = [c.message.content for c in sampled.choices]
+    singles = [client.chat.completions.create(temperature=1.0, seed=5 + i, **kwargs) for i in range(4)]
+    assert texts == [r.choices[0].message.content for r in singles]
+    assert len(set(texts)) > 1
+
+
+def test_n_streamed_choices_interleave_with_their_index(client):
+    kwargs = dict(model="target", prompt="import os\n", max_tokens=16, temperature=1.0, seed=3)
+    whole = client.completions.create(n=2, **kwargs)
+    chunks = list(client.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert streamed == [c.text for c in whole.choices]
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_beyond_capacity_is_400_and_choices_are_admitted_all_or_none(model):
+    # 10 ms steps keep the first request (>= 375 rounds) running throughout.
+    live, engine = make_server(model, step_cost=lambda batch, block: 0.01, max_batch_size=1, max_waiting=1)
+    body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0}
+    with live as url, httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as busy:
+        lines = busy.iter_lines()  # keep a reference: a dropped iterator closes the response
+        assert next(lines).startswith("data:")
+        too_many = httpx2.post(url + "/v1/completions", json={**body, "stream": False, "n": 3}, timeout=30)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        # Room for one more request: the second choice is refused, and the first, queued, leaves the queue.
+        refused = httpx2.post(url + "/v1/completions", json={**body, "stream": False, "n": 2}, timeout=30)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert (engine.stats().running, engine.stats().waiting) == (1, 0)
+
+
+def test_disconnecting_from_n_streamed_choices_frees_every_slot(server):
+    url, engine = server
+    body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0, "n": 3}
+    with httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # first chunk seen: hang up
+    wait_until(lambda: engine.stats().running == 0 and len(engine.session) == 0)
+
+
 def test_concurrent_requests_match_sequential_ones(server, client):
     prompts = [f"def f{i}(x):" for i in range(6)]
     alone = [
@@ -127,7 +182,7 @@ def test_models_health_ready(server, client):
     ("kwargs", "param"),
     [
         (dict(extra_body={"frobnicate": 1}), "frobnicate"),
-        (dict(n=2), None),
+        (dict(n=129), "n"),
         (dict(temperature=5), "temperature"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(logprobs=True), None),
@@ -503,7 +558,7 @@ def test_openapi_documents_the_responses_actually_sent(server):
     Completion.model_validate(httpx2.post(url + "/v1/completions", json=text, timeout=30).json())
     ModelList.model_validate(httpx2.get(url + "/v1/models").json())
     Model.model_validate(httpx2.get(url + "/v1/models/target").json())
-    ErrorResponse.model_validate(httpx2.post(url + "/v1/completions", json={**text, "n": 2}, timeout=30).json())
+    ErrorResponse.model_validate(httpx2.post(url + "/v1/completions", json={**text, "n": 129}, timeout=30).json())
 
 
 def test_ignore_eos_reaches_the_engine_as_no_stop_tokens(model):

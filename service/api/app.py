@@ -12,6 +12,7 @@ in-process controller owns it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -28,11 +29,11 @@ from service.api.responses import ChatCompletion, Completion, Model, ModelList, 
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
 from service.config import ServeSettings
 from service.controller.loop import ControllerLoop
-from service.engine import BlockPolicy, Delta, Engine, EngineError, GenerateRequest
+from service.engine import BlockPolicy, Delta, Engine, EngineError, GenerateRequest, SpecStats
 from service.metrics import Metrics
 from speculative.chat import chat_ids, stop_token_ids
 from speculative.context import max_new_tokens_within
-from speculative.sampling import SamplingParams
+from speculative.sampling import SEED_RANGE, SamplingParams
 
 
 def build_app(
@@ -189,42 +190,82 @@ async def _serve(
 ) -> Response | dict[str, Any]:
     app = request.app
     engine: Engine = app.state.engine
+    settings: ServeSettings = app.state.settings
     limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
     max_tokens = max_tokens if max_tokens is not None else max(1, limit)
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
+    if body.n > settings.max_batch_size + settings.max_waiting:
+        raise APIError(
+            400,
+            f"n ({body.n}) exceeds the requests this server holds at once "
+            f"({settings.max_batch_size} running + {settings.max_waiting} waiting)",
+            param="n",
+        )
     stop_ids = () if body.ignore_eos else app.state.stop_ids
-    generate = GenerateRequest(
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-        prompt_ids=tuple(prompt_ids),
-        max_tokens=max_tokens,
-        sampling=SamplingParams(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(0, body.top_k or 0),
-            seed=body.seed,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            min_tokens=body.min_tokens,
-            suppressed=stop_ids,
-        ),
-        stop_token_ids=stop_ids,
-        stop=tuple(body.stop or ()),
+    sampling = SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=max(0, body.top_k or 0),
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
+        suppressed=stop_ids,
     )
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    # One engine request per choice; with a seed, choice i draws from seed + i (else all n would be one).
+    generates = [
+        GenerateRequest(
+            request_id=request_id if body.n == 1 else f"{request_id}-{i}",
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            sampling=_nth_seed(sampling, i),
+            stop_token_ids=stop_ids,
+            stop=tuple(body.stop or ()),
+        )
+        for i in range(body.n)
+    ]
     started = time.perf_counter()
-    # Both engines' ``generate`` are async generators (closed by ``_metered``).
-    stream = cast(AsyncGenerator[Delta, None], engine.generate(generate))
-    try:
-        first = await anext(stream)  # admission errors surface here, before any byte is sent
-    except EngineError as exc:
-        raise from_engine_error(exc) from exc
-    deltas = _metered(stream, first, app.state.metrics, started, len(prompt_ids))
-    meta: dict[str, Any] = {"id": generate.request_id, "created": int(time.time()), "model": body.model, "kind": kind}
+    streams = await _admit(engine, generates)
+    choices = [_metered(stream, first, app.state.metrics, started, len(prompt_ids)) for stream, first in streams]
+    meta: dict[str, Any] = {"id": request_id, "created": int(time.time()), "model": body.model, "kind": kind}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(deltas, meta, include_usage), media_type="text/event-stream")
-    return await _complete(request, deltas, meta)
+        return StreamingResponse(_sse(choices, meta, include_usage), media_type="text/event-stream")
+    return await _complete(request, choices, meta)
+
+
+async def _admit(engine: Engine, generates: list[GenerateRequest]) -> list[tuple[AsyncGenerator[Delta, None], Delta]]:
+    """Start every request and wait for each one's first delta, all at once (so
+    their prefills batch). All or nothing: when one is refused (queue full,
+    draining, bad input), the others are aborted and its error is raised
+    before any byte is sent."""
+    # Both engines' ``generate`` are async generators (closed by ``_metered``, or here).
+    streams = [cast(AsyncGenerator[Delta, None], engine.generate(g)) for g in generates]
+    firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    # A refusal comes at once; the others' first deltas may wait for a batch place, so do not wait for them.
+    await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+    refused = next((f.exception() for f in firsts if f.done() and not f.cancelled() and f.exception()), None)
+    if refused is None:
+        return [(stream, first.result()) for stream, first in zip(streams, firsts, strict=True)]
+    for first in firsts:
+        first.cancel()
+    await asyncio.gather(*firsts, return_exceptions=True)
+    for stream in streams:
+        await stream.aclose()
+    if isinstance(refused, EngineError):
+        raise from_engine_error(refused) from refused
+    raise refused
+
+
+def _nth_seed(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Choice i's sampling: the request's, with ``seed + i`` (wrapped into the seed range) when seeded."""
+    if sampling.seed is None or i == 0:
+        return sampling
+    low, high = SEED_RANGE
+    return dataclasses.replace(sampling, seed=low + (sampling.seed - low + i) % (high - low + 1))
 
 
 async def _metered(
@@ -255,15 +296,39 @@ async def _metered(
         await stream.aclose()
 
 
+async def _merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[tuple[int, Delta], None]:
+    """The choices' deltas as they come, each with its choice index (each
+    choice's in order); leaving early closes every stream, aborting them."""
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    delta = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, delta
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
 async def _complete(
-    request: Request, stream: AsyncGenerator[Delta, None], meta: dict[str, Any]
+    request: Request, streams: list[AsyncGenerator[Delta, None]], meta: dict[str, Any]
 ) -> dict[str, Any] | JSONResponse:
-    """Collect a whole completion; abort it if the client goes away."""
-    deltas: list[Delta] = []
+    """Collect every choice whole; abort them all if the client goes away."""
+    deltas: list[list[Delta]] = [[] for _ in streams]
+    merged = _merged(streams)
 
     async def collect() -> None:
-        async for delta in stream:
-            deltas.append(delta)
+        async for i, delta in merged:
+            deltas[i].append(delta)
 
     task = asyncio.create_task(collect())
     while not task.done():
@@ -271,82 +336,95 @@ async def _complete(
         if not done and await request.is_disconnected():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await stream.aclose()
+            await merged.aclose()
             # Nobody reads this; 499 (nginx's "client closed request") keeps the access log honest.
             return error_response(APIError(499, "client disconnected", code="client_disconnected"))
     task.result()
-    last = deltas[-1]
-    if last.finish_reason in ENDED_BY_SERVER:
-        raise ENDED_BY_SERVER[last.finish_reason]
-    text = "".join(d.text for d in deltas)
-    choice: dict[str, object] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if meta["kind"] == "chat.completion":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    lasts = [choice[-1] for choice in deltas]
+    for last in lasts:
+        if last.finish_reason in ENDED_BY_SERVER:
+            raise ENDED_BY_SERVER[last.finish_reason]
+    choices = []
+    for i, choice in enumerate(deltas):
+        text = "".join(d.text for d in choice)
+        body: dict[str, object] = {"index": i, "finish_reason": choice[-1].finish_reason, "logprobs": None}
+        if meta["kind"] == "chat.completion":
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        choices.append(body)
     return {
         "id": meta["id"],
         "object": meta["kind"],
         "created": meta["created"],
         "model": meta["model"],
-        "choices": [choice],
-        "usage": _usage(last),
-        "speculative": _spec(last),
+        "choices": choices,
+        "usage": _usage(lasts),
+        "speculative": _spec(lasts),
     }
 
 
-async def _sse(stream: AsyncGenerator[Delta, None], meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; leaving early (client gone) closes ``stream``, which
-    aborts the request in the engine."""
+async def _sse(
+    streams: list[AsyncGenerator[Delta, None]], meta: dict[str, Any], include_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events, the choices' chunks interleaved as they come (each
+    names its choice ``index``); leaving early (client gone) closes every
+    stream, which aborts the requests in the engine."""
     chat = meta["kind"] == "chat.completion"
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
 
-    def chunk(text: str, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, text: str, finish: str | None, role: bool = False) -> str:
         if chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
         return _event({**head, "choices": [choice]})
 
+    merged = _merged(streams)
     try:
-        role = chat
-        async for delta in stream:
+        role = [chat] * len(streams)
+        lasts: list[Delta] = []
+        async for i, delta in merged:
             if delta.finish_reason in ENDED_BY_SERVER:
                 yield _event(ENDED_BY_SERVER[delta.finish_reason].body())
                 break
-            if delta.text or role or delta.finish_reason:
-                yield chunk(delta.text, delta.finish_reason, role)
-                role = False
+            if delta.text or role[i] or delta.finish_reason:
+                yield chunk(i, delta.text, delta.finish_reason, role[i])
+                role[i] = False
             if delta.finish_reason is not None:
-                if include_usage:
-                    yield _event({**head, "choices": [], "usage": _usage(delta), "speculative": _spec(delta)})
-                break
+                lasts.append(delta)
+        else:
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": _usage(lasts), "speculative": _spec(lasts)})
         yield "data: [DONE]\n\n"
     finally:
-        await stream.aclose()
+        await merged.aclose()
 
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _usage(delta: Delta) -> dict[str, int]:
-    return {
-        "prompt_tokens": delta.prompt_tokens,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
-    }
+def _usage(lasts: list[Delta]) -> dict[str, int]:
+    """Token counts over the choices' last deltas: the prompt once, every choice's completion."""
+    prompt, completion = lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _spec(delta: Delta) -> dict[str, float]:
-    """Per-request speculative decoding figures (vLLM/SGLang-style extension)."""
+def _spec(lasts: list[Delta]) -> dict[str, float]:
+    """Per-request speculative decoding figures over the choices (vLLM/SGLang-style extension)."""
+    stats = SpecStats(
+        rounds=sum(last.spec.rounds for last in lasts),
+        drafted=sum(last.spec.drafted for last in lasts),
+        accepted=sum(last.spec.accepted for last in lasts),
+    )
     return {
-        "acceptance_length": round(delta.spec.acceptance_length, 4),
-        "verify_rounds": delta.spec.rounds,
-        "draft_tokens": delta.spec.drafted,
-        "accepted_tokens": delta.spec.accepted,
+        "acceptance_length": round(stats.acceptance_length, 4),
+        "verify_rounds": stats.rounds,
+        "draft_tokens": stats.drafted,
+        "accepted_tokens": stats.accepted,
     }
 
 

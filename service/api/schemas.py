@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from speculative.sampling import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE
 
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 128  # OpenAI's limit on n
 
 _Value = TypeVar("_Value")
 
@@ -78,7 +79,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, description="extension: 0 or -1 disables")
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices, each its own request in the engine")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -115,8 +116,6 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported; send one request per completion")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

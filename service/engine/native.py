@@ -298,8 +298,13 @@ class NativeEngine:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its row is freed before the next step."""
+        """Stop a request: a queued one leaves the queue at once (an abandoned
+        request must not hold a place another could take until the batch has
+        room), a running one's row is freed before the next step."""
         with self._lock:
+            for job in [job for job in self._waiting if job.request.request_id == request_id]:
+                self._waiting.remove(job)
+                job.send(Delta("", (), "abort"))
             for job in self._admitted_jobs():
                 if job.request.request_id == request_id:
                     job.aborted = True
