@@ -105,6 +105,26 @@ def test_n_choices_greedy_repeat_one_reply_and_seeded_ones_repeat_the_single_see
     assert len(set(texts)) > 1
 
 
+def test_batched_prompts_get_their_own_choices_as_if_sent_alone(model, client):
+    """A batch of prompts (text or token ids) gets n choices each, at index
+    prompt * n + choice, each the reply that prompt gets alone (the same seeds);
+    ``usage`` counts every prompt once."""
+    tokenizer = model[3]
+    texts = ["import json\n", "class Point:"]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    kwargs = dict(model="target", max_tokens=10, temperature=1.0, seed=11)
+    for prompt in (texts, ids):
+        batch = client.completions.create(prompt=prompt, n=2, **kwargs)
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        alone = [client.completions.create(prompt=p, n=2, **kwargs) for p in prompt]
+        assert [c.text for c in batch.choices] == [c.text for reply in alone for c in reply.choices]
+        assert batch.usage.prompt_tokens == sum(map(len, ids))
+        assert batch.usage.completion_tokens == sum(reply.usage.completion_tokens for reply in alone)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(prompt=["a", ""], **kwargs)
+    assert info.value.body["param"] == "prompt"
+
+
 def test_n_streamed_choices_interleave_with_their_index(client):
     kwargs = dict(model="target", prompt="import os\n", max_tokens=16, temperature=1.0, seed=3)
     whole = client.completions.create(n=2, **kwargs)

@@ -150,7 +150,7 @@ def build_app(
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = await asyncio.to_thread(chat_ids, tokenizer, messages)  # a 2 MB prompt must not stall the loop
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _serve(request, body, prompt_ids, max_tokens, "chat.completion", "chatcmpl")
+        return await _serve(request, body, [prompt_ids], max_tokens, "chat.completion", "chatcmpl")
 
     @app.post(
         "/v1/completions",
@@ -160,13 +160,13 @@ def build_app(
     )
     async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
         _check_model(body.model, settings)
-        prompt = body.prompt
-        prompt_ids: list[int]
-        if isinstance(prompt, list):
-            prompt_ids = list(cast(list[int], prompt))  # the validator made a one-string list its string
-        else:
-            prompt_ids = (await asyncio.to_thread(tokenizer, prompt, add_special_tokens=False))["input_ids"]
-        return await _serve(request, body, prompt_ids, body.max_tokens, "text_completion", "cmpl")
+        prompts = [
+            list(prompt)
+            if isinstance(prompt, list)
+            else (await asyncio.to_thread(tokenizer, prompt, add_special_tokens=False))["input_ids"]
+            for prompt in body.prompts()
+        ]
+        return await _serve(request, body, prompts, body.max_tokens, "text_completion", "cmpl")
 
     return app
 
@@ -186,19 +186,22 @@ ENDED_BY_SERVER = {
 
 
 async def _serve(
-    request: Request, body: SamplingFields, prompt_ids: list[int], max_tokens: int | None, kind: str, prefix: str
+    request: Request,
+    body: SamplingFields,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    kind: str,
+    prefix: str,
 ) -> Response | dict[str, Any]:
+    """Run ``body.n`` choices for each prompt (choice index: prompt * n + choice)
+    and answer with all of them."""
     app = request.app
     engine: Engine = app.state.engine
     settings: ServeSettings = app.state.settings
-    limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
-    max_tokens = max_tokens if max_tokens is not None else max(1, limit)
-    if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
-    if body.n > settings.max_batch_size + settings.max_waiting:
+    if len(prompts) * body.n > settings.max_batch_size + settings.max_waiting:
         raise APIError(
             400,
-            f"n ({body.n}) exceeds the requests this server holds at once "
+            f"{len(prompts)} prompt(s) x n ({body.n}) exceeds the requests this server holds at once "
             f"({settings.max_batch_size} running + {settings.max_waiting} waiting)",
             param="n",
         )
@@ -215,26 +218,46 @@ async def _serve(
         suppressed=stop_ids,
     )
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    # One engine request per choice; with a seed, choice i draws from seed + i (else all n would be one).
+    budgets = []
+    for prompt_ids in prompts:
+        limit = max_new_tokens_within(engine.context_length, len(prompt_ids), engine.max_block_size)
+        budgets.append(max_tokens if max_tokens is not None else max(1, limit))
+        if body.min_tokens > budgets[-1]:
+            raise APIError(
+                400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({budgets[-1]})", param="min_tokens"
+            )
+    # One engine request per choice k = prompt * n + i. With a seed, choice i draws from seed + i
+    # (else all n would be one): each prompt's choices are what it would get alone.
+    choices = [(p, i) for p in range(len(prompts)) for i in range(body.n)]
     generates = [
         GenerateRequest(
-            request_id=request_id if body.n == 1 else f"{request_id}-{i}",
-            prompt_ids=tuple(prompt_ids),
-            max_tokens=max_tokens,
+            request_id=request_id if len(choices) == 1 else f"{request_id}-{k}",
+            prompt_ids=tuple(prompts[p]),
+            max_tokens=budgets[p],
             sampling=_nth_seed(sampling, i),
             stop_token_ids=stop_ids,
             stop=tuple(body.stop or ()),
         )
-        for i in range(body.n)
+        for k, (p, i) in enumerate(choices)
     ]
     started = time.perf_counter()
     streams = await _admit(engine, generates)
-    choices = [_metered(stream, first, app.state.metrics, started, len(prompt_ids)) for stream, first in streams]
-    meta: dict[str, Any] = {"id": request_id, "created": int(time.time()), "model": body.model, "kind": kind}
+    metrics = app.state.metrics
+    deltas = [
+        _metered(stream, first, metrics, started, len(generate.prompt_ids))
+        for (stream, first), generate in zip(streams, generates, strict=True)
+    ]
+    meta: dict[str, Any] = {
+        "id": request_id,
+        "created": int(time.time()),
+        "model": body.model,
+        "kind": kind,
+        "prompt_tokens": sum(map(len, prompts)),
+    }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(choices, meta, include_usage), media_type="text/event-stream")
-    return await _complete(request, choices, meta)
+        return StreamingResponse(_sse(deltas, meta, include_usage), media_type="text/event-stream")
+    return await _complete(request, deltas, meta)
 
 
 async def _admit(engine: Engine, generates: list[GenerateRequest]) -> list[tuple[AsyncGenerator[Delta, None], Delta]]:
@@ -359,7 +382,7 @@ async def _complete(
         "created": meta["created"],
         "model": meta["model"],
         "choices": choices,
-        "usage": _usage(lasts),
+        "usage": _usage(lasts, meta["prompt_tokens"]),
         "speculative": _spec(lasts),
     }
 
@@ -397,7 +420,9 @@ async def _sse(
                 lasts.append(delta)
         else:
             if include_usage:
-                yield _event({**head, "choices": [], "usage": _usage(lasts), "speculative": _spec(lasts)})
+                yield _event(
+                    {**head, "choices": [], "usage": _usage(lasts, meta["prompt_tokens"]), "speculative": _spec(lasts)}
+                )
         yield "data: [DONE]\n\n"
     finally:
         await merged.aclose()
@@ -407,10 +432,10 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def _usage(lasts: list[Delta]) -> dict[str, int]:
-    """Token counts over the choices' last deltas: the prompt once, every choice's completion."""
-    prompt, completion = lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(lasts: list[Delta], prompt_tokens: int) -> dict[str, int]:
+    """Token counts: each prompt once, every choice's completion (from its last delta)."""
+    completion = sum(last.completion_tokens for last in lasts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
 def _spec(lasts: list[Delta]) -> dict[str, float]:

@@ -9,7 +9,7 @@ and text must be valid Unicode (a lone surrogate is 400, not a tokenizer crash).
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -137,9 +137,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: a text prompt or one list of token ids."""
+    """``POST /v1/completions``: a text prompt, a list of token ids, or a batch
+    of either (each prompt gets its own ``n`` choices)."""
 
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
 
     _text = field_validator("prompt")(encodable)
     max_tokens: int | None = Field(default=16, ge=1)
@@ -147,17 +148,29 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("batched prompts are not supported; send one request per prompt")
-            self.prompt = self.prompt[0]
-        if not self.prompt:
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_prompt(cls, value: str | list[int] | list[str] | list[list[int]]) -> object:
+        if not all(_batch(value)):
             raise ValueError("prompt must not be empty")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
+        return _batch(self.prompt)
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
         if self.echo or self.logprobs is not None or self.suffix is not None:
             raise ValueError("echo, logprobs and suffix are not supported")
         return self
+
+
+def _batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completion request's prompts: one text, one list of token ids, or a list of either."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [cast(str | list[int], prompt)]
+    return list(prompt)
 
 
 class PolicyBody(BaseModel):
