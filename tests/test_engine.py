@@ -309,3 +309,32 @@ def test_the_scheduler_decodes_with_the_configured_threads(pair):
         torch.set_num_threads(before)  # torch's setting is process-wide: leave the other tests theirs
     assert ids == greedy(target, prompts(1)[0], 6)
     assert seen and set(seen) == {wanted}
+
+
+def test_a_call_s_many_choices_share_the_batch_with_a_later_call(pair):
+    """Admission is fair across groups (one API call's choices): with two batch
+    places, four equal choices of one call and a single later request all
+    queued, the batch takes one choice and the later request, not two choices
+    (first come, first served would finish it last)."""
+    target, draft, tokenizer = pair
+    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=2, policy=BlockPolicy.fixed(4)))
+    prompt = prompts(1)[0]
+    requests = [*(GenerateRequest(f"a{i}", prompt, 24, group="a") for i in range(4)), GenerateRequest("b", prompt, 24)]
+    finished: list[str] = []
+
+    async def one(request):
+        await collect(engine, request)
+        finished.append(request.request_id)
+
+    async def main():
+        calls = [asyncio.create_task(one(r)) for r in requests]
+        while engine.stats().waiting < len(requests):  # all queued before the scheduler starts
+            await asyncio.sleep(0.01)
+        engine.start()
+        await asyncio.gather(*calls)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert set(finished[:2]) == {"a0", "b"} and sorted(finished[2:]) == ["a1", "a2", "a3"]

@@ -237,6 +237,7 @@ async def _serve(
             sampling=_nth_seed(sampling, i),
             stop_token_ids=stop_ids,
             stop=tuple(body.stop or ()),
+            group=request_id,
         )
         for k, (p, i) in enumerate(choices)
     ]

@@ -351,14 +351,23 @@ class NativeEngine:
                 self._fail_all(admitted)
 
     def _admit(self) -> list[_Job]:
+        """Waiting requests for the batch's free places. Each place goes to the
+        waiting request whose group (``GenerateRequest.group``: one API call's
+        choices) has the fewest requests in the batch, the earliest on ties: a
+        call's many choices share the batch with later calls instead of holding
+        it until they finish. With single-request groups: first come, first served."""
         free = self.config.max_batch_size - len(self._running) - len(self._chunking)
+        batch = [*self._running.values(), *(job for job, _ in self._chunking)]
+        in_batch = collections.Counter(job.request.group_key for job in batch)
         admitted = []
         while self._waiting and free > 0:
-            job = self._waiting.popleft()
+            job = min(self._waiting, key=lambda waiting: in_batch[waiting.request.group_key])
+            self._waiting.remove(job)
             if job.aborted:
                 job.send(Delta("", (), "abort"))
                 continue
             admitted.append(job)
+            in_batch[job.request.group_key] += 1
             free -= 1
         return admitted
 

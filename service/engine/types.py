@@ -50,7 +50,10 @@ def check_fits(request: GenerateRequest, context_length: int, block_size: int) -
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation: prompt token ids and how to continue them."""
+    """One generation: prompt token ids and how to continue them. ``group``:
+    the generations of one API call (its ``n`` choices, its batched prompts)
+    share one, so that admission can be fair across calls; "" (the default) is
+    a group of its own."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -58,6 +61,11 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    group: str = ""
+
+    @property
+    def group_key(self) -> str:
+        return self.group or self.request_id
 
 
 @dataclass(frozen=True)
