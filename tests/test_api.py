@@ -151,6 +151,21 @@ def test_n_beyond_capacity_is_400_and_choices_are_admitted_all_or_none(model):
         assert (engine.stats().running, engine.stats().waiting) == (1, 0)
 
 
+def test_a_request_abandoned_while_queued_leaves_the_queue(model):
+    """A client that gives up while its request waits for a batch place: the
+    request leaves the queue then, not when a place frees (it is never prefilled)."""
+    # 40 ms steps keep the first request (>= 375 rounds) running for 15 s at least.
+    live, engine = make_server(model, step_cost=lambda batch, block: 0.04, max_batch_size=1, max_waiting=1)
+    body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0}
+    with live as url, httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as busy:
+        lines = busy.iter_lines()  # keep a reference: a dropped iterator closes the response
+        assert next(lines).startswith("data:")
+        with pytest.raises(httpx2.TimeoutException):
+            httpx2.post(url + "/v1/completions", json={**body, "stream": False, "n": 1}, timeout=1.0)
+        wait_until(lambda: engine.stats().waiting == 0, seconds=10)
+        assert engine.stats().running == 1
+
+
 def test_disconnecting_from_n_streamed_choices_frees_every_slot(server):
     url, engine = server
     body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0, "n": 3}

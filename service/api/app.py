@@ -242,7 +242,7 @@ async def _serve(
         for k, (p, i) in enumerate(choices)
     ]
     started = time.perf_counter()
-    streams = await _admit(engine, generates)
+    streams = await _admit(request, engine, generates)
     metrics = app.state.metrics
     deltas = [
         _metered(stream, first, metrics, started, len(generate.prompt_ids))
@@ -261,27 +261,36 @@ async def _serve(
     return await _complete(request, deltas, meta)
 
 
-async def _admit(engine: Engine, generates: list[GenerateRequest]) -> list[tuple[AsyncGenerator[Delta, None], Delta]]:
-    """Start every request and wait for each one's first delta, all at once (so
-    their prefills batch). All or nothing: when one is refused (queue full,
-    draining, bad input), the others are aborted and its error is raised
-    before any byte is sent."""
+async def _admit(
+    request: Request, engine: Engine, generates: list[GenerateRequest]
+) -> list[tuple[AsyncGenerator[Delta, None], Delta]]:
+    """Start every generation and wait for each one's first delta, all at once
+    (so their prefills batch). All or nothing: when one is refused (queue full,
+    draining, bad input), the others are aborted and its error is raised before
+    any byte is sent; when the client goes away while they wait for a batch
+    place, they are all aborted (a 499), so an abandoned request is never
+    prefilled and leaves the queue."""
     # Both engines' ``generate`` are async generators (closed by ``_metered``, or here).
     streams = [cast(AsyncGenerator[Delta, None], engine.generate(g)) for g in generates]
     firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
-    # A refusal comes at once; the others' first deltas may wait for a batch place, so do not wait for them.
-    await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
-    refused = next((f.exception() for f in firsts if f.done() and not f.cancelled() and f.exception()), None)
-    if refused is None:
-        return [(stream, first.result()) for stream, first in zip(streams, firsts, strict=True)]
+    failure: BaseException | None = None
+    while failure is None:
+        # A refusal comes at once; the others' first deltas may wait for a batch place.
+        _, waiting = await asyncio.wait(firsts, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION)
+        failure = next((f.exception() for f in firsts if f.done() and not f.cancelled() and f.exception()), None)
+        if failure is None and not waiting:
+            return [(stream, first.result()) for stream, first in zip(streams, firsts, strict=True)]
+        if failure is None and await request.is_disconnected():
+            # Nobody reads it; 499 (nginx's "client closed request") keeps the access log honest.
+            failure = APIError(499, "client disconnected", code="client_disconnected")
     for first in firsts:
         first.cancel()
     await asyncio.gather(*firsts, return_exceptions=True)
     for stream in streams:
         await stream.aclose()
-    if isinstance(refused, EngineError):
-        raise from_engine_error(refused) from refused
-    raise refused
+    if isinstance(failure, EngineError):
+        raise from_engine_error(failure) from failure
+    raise failure
 
 
 def _nth_seed(sampling: SamplingParams, i: int) -> SamplingParams:
