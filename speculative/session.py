@@ -186,12 +186,18 @@ class DecodeSession:
         self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams]
     ) -> dict[Hashable, int]:
         """Prefill ``prompts`` (one forward for all of them), join them to the batch,
-        and return each new row's first generated token."""
+        and return each new row's first generated token. Identical prompts (an
+        API call's choices) are prefilled once and their caches copied."""
         if not (len(keys) == len(prompts) == len(sampling)) or not prompts:
             raise ValueError("add needs one key, prompt and sampling setting per row, and at least one row")
         self._check_new(keys, prompts)
         start = _clock(self.target.device)
-        batch, last_logits = self._prefill(prompts)
+        unique = {prompt: i for i, prompt in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
+        batch, last_logits = self._prefill(list(unique))
+        if len(unique) < len(prompts):
+            copies = torch.tensor([unique[tuple(p)] for p in prompts], device=self.target.device)
+            batch.select_rows(copies)
+            last_logits = last_logits[copies]
         first = self._join(keys, prompts, sampling, batch, last_logits)
         self.prefill_seconds += _clock(self.target.device) - start
         return first

@@ -42,6 +42,34 @@ def test_rows_joining_mid_flight_get_their_own_greedy_tokens(qwen_pair):
         assert outputs[i][:NEW] == reference_greedy(target, prompt, NEW)
 
 
+def test_identical_prompts_are_prefilled_once_and_decode_as_their_own_rows(qwen_pair, monkeypatch):
+    """Rows joining with the same prompt share one prefill row (its caches are
+    copied): each still decodes the target's greedy tokens, and seeded sampled
+    copies draw as they would with a prefill of their own."""
+    target, draft = qwen_pair
+    a, b = random_prompts(2, seed=41, min_len=5, max_len=12)
+    prefill_rows, forward = [], target.forward
+
+    def spy(ids, *args, **kwargs):
+        if kwargs.get("block_visible") is None and ids.shape[1] > 1 and not prefill_rows:
+            prefill_rows.append(ids.shape[0])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    sampled = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2)]
+    session = DecodeSession(target, draft)
+    params = [SamplingParams(), sampled[0], SamplingParams(), sampled[1]]
+    outputs = {k: [t] for k, t in session.add([0, 1, 2, 3], [a, a, b, a], params).items()}
+    assert prefill_rows == [2]
+    decode_until(session, outputs, NEW, itertools.cycle([4, 1, 8]))
+    assert outputs[0][:NEW] == reference_greedy(target, a, NEW) and outputs[2][:NEW] == reference_greedy(target, b, NEW)
+    for key, params in ((1, sampled[0]), (3, sampled[1])):
+        alone = DecodeSession(target, draft)
+        own = {key: [alone.add([key], [a], [params])[key]]}
+        decode_until(alone, own, NEW, itertools.cycle([4, 1, 8]))
+        assert own[key][:NEW] == outputs[key][:NEW]
+
+
 def test_block_size_one_rounds_keep_the_draft_context(qwen_pair):
     """Plain rounds still feed the draft: speculative rounds after them accept
     exactly what they accept for a row prefilled with the same tokens."""
