@@ -20,6 +20,8 @@ ones overflow float32 (1e-45 turned logits into inf and probabilities into NaN).
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """Seeds ``torch.Generator.manual_seed`` accepts."""
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TOP_LOGPROBS = 20
+"""Most likely tokens a generated token's log-probability may come with (OpenAI's bound)."""
 """Repetition penalties allowed (1: off); outside, penalised logits overflow."""
 
 
@@ -33,7 +35,9 @@ class SamplingParams:
     computes safely; the API schema states the same ones. ``min_tokens``: the
     row's first ``min_tokens`` generated tokens are never one of
     ``suppressed`` (its stop tokens), in the target's and the draft's
-    distribution alike, so speculation stays exact."""
+    distribution alike, so speculation stays exact. ``logprobs``: also report,
+    for each generated token, its log-probability under the target and the
+    ``logprobs`` most likely tokens' (``speculative.logprobs``; None: off)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -44,8 +48,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     suppressed: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):

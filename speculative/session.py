@@ -30,13 +30,14 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
 
 from speculative.batch import RaggedBatch, append_draft_context, draft_context
 from speculative.draft import DFlashDraftModel
+from speculative.logprobs import TokenLogprob, token_logprobs
 from speculative.lookup import NgramIndex
 from speculative.penalties import TokenHistory, penalize
 from speculative.rows import Rows
@@ -80,6 +81,8 @@ class RoundStats:
     """Rows that committed a first-slot alternate instead of their chain."""
     lookup_accepted: int = 0
     """Tokens committed beyond what the draft's slots accepted, by rows whose lookup path went further."""
+    logprobs: dict[Hashable, list[TokenLogprob]] = field(default_factory=dict)
+    """Per row that asked (``SamplingParams.logprobs``): its emitted tokens' log-probabilities."""
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -166,6 +169,8 @@ class DecodeSession:
             [],
         )
         self.prefill_seconds = 0.0
+        self.first_logprobs: dict[Hashable, TokenLogprob] = {}
+        """The last ``add`` / ``add_prefilled``'s first tokens' log-probabilities, for the rows that ask."""
 
     def __len__(self) -> int:
         return len(self.rows.keys)
@@ -259,9 +264,14 @@ class DecodeSession:
         # Only penalised rows keep a token history (the others never read it).
         tracked = [p if s.penalized else () for p, s in zip(prompts, sampling, strict=True)]
         history = TokenHistory.from_prompts(tracked, self.target.vocab_size, self.target.device)
-        last_logits = penalize(last_logits[:, None], sampling, history)
-        last_logits = suppress_early(last_logits, sampling, [0] * len(sampling))[:, 0]
-        first = _sample_first(last_logits, list(sampling), generators)
+        adjusted = penalize(last_logits[:, None], sampling, history)
+        adjusted = suppress_early(adjusted, sampling, [0] * len(sampling))[:, 0]
+        first = _sample_first(adjusted, list(sampling), generators)
+        self.first_logprobs = {
+            key: token_logprobs(logits[None], [token], s.logprobs)[0]
+            for key, s, logits, token in zip(keys, sampling, last_logits, first.tolist(), strict=True)
+            if s.logprobs is not None
+        }
         history.add([[t] if s.penalized else () for t, s in zip(first.tolist(), sampling, strict=True)])
         table = self.draft.ngram_table if self.draft is not None and self.lookup_table else None
         ngrams = [
@@ -388,6 +398,7 @@ class DecodeSession:
                 self.rows.keys, block.tolist(), kept.tolist(), verdict.next_token.tolist(), strict=True
             )
         }
+        logprobs = self._logprobs(verified.logits, kept, emitted)
         self.rows.anchors = verdict.next_token
         params = self.rows.params
         self.rows.history.add([t if p.penalized else () for t, p in zip(emitted.values(), params, strict=True)])
@@ -395,7 +406,21 @@ class DecodeSession:
         for index, tokens in zip(self.rows.ngrams, emitted.values(), strict=True):
             if index is not None:
                 index.extend(tokens)
-        return _round_stats(verdict, tree, t1 - t0, t2 - t1), emitted
+        stats = _round_stats(verdict, tree, t1 - t0, t2 - t1)
+        stats.logprobs = logprobs
+        return stats, emitted
+
+    def _logprobs(
+        self, logits: torch.Tensor, kept: torch.Tensor, emitted: dict[Hashable, list[int]]
+    ) -> dict[Hashable, list[TokenLogprob]]:
+        """The emitted tokens' log-probabilities for the rows that ask: a row's
+        committed slots ``kept`` [B, q], in path order, score the tokens after them."""
+        rows = zip(self.rows.keys, self.rows.params, kept, logits, strict=True)
+        return {
+            key: token_logprobs(row_logits[slots.nonzero()[:, 0]], emitted[key], p.logprobs)
+            for key, p, slots, row_logits in rows
+            if p.logprobs is not None
+        }
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
         """Run the target over the left-padded prompts, fill both caches; returns

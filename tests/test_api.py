@@ -9,6 +9,7 @@ import time
 import httpx2
 import openai
 import pytest
+import torch
 from faults import FaultySession
 from live import make_server, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,6 +51,43 @@ def test_chat_completion_equals_offline_greedy(model, client):
     assert reply.usage.completion_tokens == len(ids)
     assert reply.usage.prompt_tokens == len(user_prompt_ids(tokenizer, ["def add(a, b):"])[0])
     assert reply.model_extra["speculative"]["verify_rounds"] >= 1
+
+
+def test_logprobs_are_the_targets_for_every_token_streamed_or_not(model, client):
+    """Chat ``logprobs`` with ``top_logprobs``: one entry per generated token,
+    the target's log-probability after the exact prefix (as a full forward over
+    the output computes it) and its top tokens, named by their text and bytes;
+    streamed, the chunks carry the same entries."""
+    _, target, _, tokenizer = model
+    prompt = user_prompt_ids(tokenizer, ["def add(a, b):"])[0]
+    kwargs = dict(model="target", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=12)
+    reply = client.chat.completions.create(temperature=0, logprobs=True, top_logprobs=3, **kwargs)
+    content = reply.choices[0].logprobs.content
+    _, ids = greedy_text(model, prompt, 12)
+    assert len(content) == reply.usage.completion_tokens == len(ids)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for j, entry in enumerate(content):
+        assert entry.token == tokenizer.decode([ids[j]]) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(reference[j, ids[j]].item(), abs=1e-3)
+        top = reference[j].topk(3).indices.tolist()
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in top]
+    chunks = list(client.chat.completions.create(temperature=0, logprobs=True, top_logprobs=3, stream=True, **kwargs))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert client.chat.completions.create(temperature=0, **kwargs).choices[0].logprobs is None
+
+
+def test_completion_logprobs_name_tokens_with_offsets(client):
+    reply = client.completions.create(model="target", prompt="import os\n", max_tokens=10, temperature=1.0, logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == reply.usage.completion_tokens
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:j])) for j in range(len(logprobs.tokens))]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="target", prompt="x", logprobs=6)
+    assert info.value.body["param"] == "logprobs"
 
 
 def test_completions_with_text_and_token_prompts(model, client):
@@ -220,7 +258,8 @@ def test_models_health_ready(server, client):
         (dict(n=129), "n"),
         (dict(temperature=5), "temperature"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=True), None),
+        (dict(top_logprobs=2), None),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
@@ -588,9 +627,11 @@ def test_openapi_documents_the_responses_actually_sent(server):
         assert {"200", "400", "401", "404", "429", "503"} <= set(documented)
         assert documented["429"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     chat = {"model": "target", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
-    ChatCompletion.model_validate(httpx2.post(url + "/v1/chat/completions", json=chat, timeout=30).json())
+    for body in (chat, {**chat, "logprobs": True, "top_logprobs": 2}):
+        ChatCompletion.model_validate(httpx2.post(url + "/v1/chat/completions", json=body, timeout=30).json())
     text = {"model": "target", "prompt": "x", "max_tokens": 3}
-    Completion.model_validate(httpx2.post(url + "/v1/completions", json=text, timeout=30).json())
+    for body in (text, {**text, "logprobs": 2}):
+        Completion.model_validate(httpx2.post(url + "/v1/completions", json=body, timeout=30).json())
     ModelList.model_validate(httpx2.get(url + "/v1/models").json())
     Model.model_validate(httpx2.get(url + "/v1/models/target").json())
     ErrorResponse.model_validate(httpx2.post(url + "/v1/completions", json={**text, "n": 129}, timeout=30).json())

@@ -70,6 +70,32 @@ def test_identical_prompts_are_prefilled_once_and_decode_as_their_own_rows(qwen_
         assert own[key][:NEW] == outputs[key][:NEW]
 
 
+def test_logprobs_are_the_targets_own_whichever_path_committed_the_token(qwen_pair):
+    """A row asking for logprobs gets, for each token it emits (the first one
+    from the prefill, then chain, alternate and lookup tokens and plain steps),
+    the target's log-probability after the exact prefix and its top tokens; a
+    row that does not ask gets none."""
+    target, draft = qwen_pair
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # repetitive: lookup paths get taken
+    session = DecodeSession(target, draft, branches=4, lookup=4)
+    first = session.add(["a", "b"], [prompt, prompt[:5]], [SamplingParams(logprobs=3), SamplingParams()])
+    assert list(session.first_logprobs) == ["a"]
+    tokens, got, paths = [first["a"]], [session.first_logprobs["a"]], 0
+    for block_size in itertools.islice(itertools.cycle([4, 1, 8, 16]), 10):
+        stats, emitted = session.step(block_size)
+        tokens += emitted["a"]
+        got += stats.logprobs["a"]
+        paths += stats.lookup_accepted + stats.branches_taken
+        assert list(stats.logprobs) == ["a"]
+    assert paths > 0 and [g.token for g in got] == tokens
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for j, g in enumerate(got):
+        assert g.logprob == pytest.approx(reference[j, tokens[j]].item(), abs=1e-4)
+        assert [t for t, _ in g.top] == reference[j].topk(3).indices.tolist() and g.top[0][0] == tokens[j]
+
+
 def test_block_size_one_rounds_keep_the_draft_context(qwen_pair):
     """Plain rounds still feed the draft: speculative rounds after them accept
     exactly what they accept for a row prefilled with the same tokens."""

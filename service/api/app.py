@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.errors import APIError, error_response, from_engine_error, install_handlers
+from service.api.logprobs import chat_logprobs, completion_logprobs
 from service.api.responses import ChatCompletion, Completion, Model, ModelList, Policy, error_responses, install_openapi
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
 from service.config import ServeSettings
@@ -216,6 +217,7 @@ async def _serve(
         repetition_penalty=body.repetition_penalty,
         min_tokens=body.min_tokens,
         suppressed=stop_ids,
+        logprobs=body.logprob_count(),
     )
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     budgets = []
@@ -255,10 +257,12 @@ async def _serve(
         "kind": kind,
         "prompt_tokens": sum(map(len, prompts)),
     }
+    # The tokenizer names the logprobs' tokens; None: the request asked for none.
+    namer = app.state.tokenizer if sampling.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(deltas, meta, include_usage), media_type="text/event-stream")
-    return await _complete(request, deltas, meta)
+        return StreamingResponse(_sse(deltas, meta, include_usage, namer), media_type="text/event-stream")
+    return await _complete(request, deltas, meta, namer)
 
 
 async def _admit(
@@ -353,7 +357,7 @@ async def _merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[
 
 
 async def _complete(
-    request: Request, streams: list[AsyncGenerator[Delta, None]], meta: dict[str, Any]
+    request: Request, streams: list[AsyncGenerator[Delta, None]], meta: dict[str, Any], namer: Any
 ) -> dict[str, Any] | JSONResponse:
     """Collect every choice whole; abort them all if the client goes away."""
     deltas: list[list[Delta]] = [[] for _ in streams]
@@ -378,13 +382,17 @@ async def _complete(
         if last.finish_reason in ENDED_BY_SERVER:
             raise ENDED_BY_SERVER[last.finish_reason]
     choices = []
+    chat = meta["kind"] == "chat.completion"
     for i, choice in enumerate(deltas):
         text = "".join(d.text for d in choice)
         body: dict[str, object] = {"index": i, "finish_reason": choice[-1].finish_reason, "logprobs": None}
-        if meta["kind"] == "chat.completion":
+        if chat:
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
+        if namer is not None:
+            scores = [s for d in choice for s in d.logprobs]
+            body["logprobs"] = chat_logprobs(scores, namer) if chat else completion_logprobs(scores, namer, 0)
         choices.append(body)
     return {
         "id": meta["id"],
@@ -398,7 +406,7 @@ async def _complete(
 
 
 async def _sse(
-    streams: list[AsyncGenerator[Delta, None]], meta: dict[str, Any], include_usage: bool
+    streams: list[AsyncGenerator[Delta, None]], meta: dict[str, Any], include_usage: bool, namer: Any
 ) -> AsyncIterator[str]:
     """Server-sent events, the choices' chunks interleaved as they come (each
     names its choice ``index``); leaving early (client gone) closes every
@@ -407,12 +415,21 @@ async def _sse(
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
 
-    def chunk(index: int, text: str, finish: str | None, role: bool = False) -> str:
+    offsets = [0] * len(streams)  # each completion choice's text so far, for ``text_offset``
+
+    def chunk(index: int, delta: Delta, role: bool) -> str:
+        text, finish = delta.text, delta.finish_reason
+        logprobs: dict[str, Any] | None = None
         if chat:
-            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            body = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            if namer is not None:
+                logprobs = chat_logprobs(delta.logprobs, namer)
+            choice = {"index": index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+            if namer is not None:
+                logprobs = completion_logprobs(delta.logprobs, namer, offsets[index])
+                offsets[index] += sum(map(len, logprobs["tokens"]))
+            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return _event({**head, "choices": [choice]})
 
     merged = _merged(streams)
@@ -423,8 +440,8 @@ async def _sse(
             if delta.finish_reason in ENDED_BY_SERVER:
                 yield _event(ENDED_BY_SERVER[delta.finish_reason].body())
                 break
-            if delta.text or role[i] or delta.finish_reason:
-                yield chunk(i, delta.text, delta.finish_reason, role[i])
+            if delta.text or role[i] or delta.finish_reason or delta.logprobs:
+                yield chunk(i, delta, role[i])
                 role[i] = False
             if delta.finish_reason is not None:
                 lasts.append(delta)

@@ -13,10 +13,11 @@ from typing import Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from speculative.sampling import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE
+from speculative.sampling import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 128  # OpenAI's limit on n
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 
 _Value = TypeVar("_Value")
 
@@ -114,6 +115,10 @@ class SamplingFields(BaseModel):
         encodable(stops)
         return stops
 
+    def logprob_count(self) -> int | None:
+        """How many top tokens each generated token's logprob comes with (None: no logprobs)."""
+        return None
+
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
@@ -127,13 +132,16 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
-    def _no_logprobs(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
@@ -145,7 +153,7 @@ class CompletionRequest(SamplingFields):
     _text = field_validator("prompt")(encodable)
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -160,10 +168,13 @@ class CompletionRequest(SamplingFields):
         return _batch(self.prompt)
 
     @model_validator(mode="after")
-    def _supported(self) -> CompletionRequest:
-        if self.echo or self.logprobs is not None or self.suffix is not None:
-            raise ValueError("echo, logprobs and suffix are not supported")
+    def _no_echo_or_suffix(self) -> CompletionRequest:
+        if self.echo or self.suffix is not None:
+            raise ValueError("echo and suffix are not supported")
         return self
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 def _batch(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:

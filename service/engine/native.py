@@ -45,6 +45,7 @@ from service.metrics import Metrics
 from speculative.checkpoint import load_draft
 from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
+from speculative.logprobs import TokenLogprob
 from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
 from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, PartialPrefill, Proposal, RoundStats
@@ -398,7 +399,7 @@ class NativeEngine:
             self._running.update(zip(keys, jobs, strict=True))
             self._prefilling -= len(jobs)
         joined = len(self.session)
-        self._deliver({key: [token] for key, token in first.items()}, None)
+        self._deliver({key: [token] for key, token in first.items()}, None, self._first_logprobs())
         # Every running row waited for it: the achieved speedup charges it to both sides (service/metrics.py).
         if self.on_prefill is not None:
             self.on_prefill(joined, time.perf_counter() - started)
@@ -441,7 +442,7 @@ class NativeEngine:
                 self._chunking.popleft()
                 self._running[key] = job
                 self._prefilling -= 1
-            self._deliver({key: [first]}, None)
+            self._deliver({key: [first]}, None, self._first_logprobs())
         if self.on_prefill is not None:
             self.on_prefill(rows, time.perf_counter() - started)
 
@@ -468,17 +469,26 @@ class NativeEngine:
         total = sum(forwards)
         for (stats, emitted), own in zip(rounds, forwards, strict=True):
             delivering = time.perf_counter()
-            output = self._deliver(emitted, stats)
+            output = self._deliver(emitted, stats, stats.logprobs)
             share = own / total if total else 1 / len(rounds)
             seconds = stepping * share + time.perf_counter() - delivering
             if self.on_step is not None:
                 self.on_step(stats, seconds, output)
 
-    def _deliver(self, emitted: dict[Hashable, list[int]], stats: RoundStats | None) -> int:
-        """Send each row its tokens (``emitted`` in the order of ``stats``' rows);
-        finish rows at a stop token, stop string or the length limit; free
-        finished rows. Returns how many tokens the rows output (a row's last
-        round may commit tokens past its end, which are not output)."""
+    def _first_logprobs(self) -> dict[Hashable, list[TokenLogprob]]:
+        return {key: [logprob] for key, logprob in self.session.first_logprobs.items()}
+
+    def _deliver(
+        self,
+        emitted: dict[Hashable, list[int]],
+        stats: RoundStats | None,
+        logprobs: dict[Hashable, list[TokenLogprob]],
+    ) -> int:
+        """Send each row its tokens (``emitted`` in the order of ``stats``' rows)
+        with their ``logprobs`` where it asked for them; finish rows at a stop
+        token, stop string or the length limit; free finished rows. Returns how
+        many tokens the rows output (a row's last round may commit tokens past
+        its end, which are not output)."""
         done, output = [], 0
         committed = dict(zip(emitted, stats.committed, strict=True)) if stats else {}
         for key, tokens in emitted.items():
@@ -493,7 +503,8 @@ class NativeEngine:
             text = job.text.push(kept, final=finish is not None)
             if job.text.stopped:
                 finish = "stop"
-            job.send(Delta(text, tuple(kept), finish, len(job.request.prompt_ids), job.generated, job.spec))
+            scores = tuple(logprobs.get(key, ())[: len(kept)])
+            job.send(Delta(text, tuple(kept), finish, len(job.request.prompt_ids), job.generated, job.spec, scores))
             if finish is not None:
                 done.append(key)
         self._finish(done)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from speculative.context import ContextLengthExceeded, check_context
+from speculative.logprobs import TokenLogprob
 from speculative.policy import BlockPolicy as BlockPolicy  # re-exported for the engines
 from speculative.sampling import SamplingParams
 
@@ -93,6 +94,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """Per token of ``token_ids`` when the request asked (``SamplingParams.logprobs``)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,41 @@
+"""OpenAI's ``logprobs`` objects from the engine's per-token log-probabilities
+(``speculative.logprobs``: the target's own, raw, whichever path committed the
+token). A token is named by its text alone (``decode([id])``) and that text's
+UTF-8 bytes, as vLLM names them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from speculative.logprobs import TokenLogprob
+
+
+def chat_logprobs(scores: Sequence[TokenLogprob], tokenizer: Any) -> dict[str, Any]:
+    """A chat choice's (or chunk's) ``logprobs``: ``{"content": [...]}``."""
+
+    def named(token: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**named(s.token, s.logprob), "top_logprobs": [named(t, logprob) for t, logprob in s.top]} for s in scores
+        ]
+    }
+
+
+def completion_logprobs(scores: Sequence[TokenLogprob], tokenizer: Any, offset: int) -> dict[str, Any]:
+    """A completion choice's (or chunk's) legacy ``logprobs``; ``offset``: the
+    length of the choice's text before these tokens (``text_offset`` counts on from it)."""
+    tokens = [tokenizer.decode([s.token]) for s in scores]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [s.logprob for s in scores],
+        "top_logprobs": [{tokenizer.decode([t]): logprob for t, logprob in s.top} for s in scores],
+        "text_offset": offsets,
+    }
