@@ -261,7 +261,7 @@ async def _admit(
     any byte is sent; when the client goes away while they wait for a batch
     place, they are all aborted (a 499), so an abandoned request is never
     prefilled and leaves the queue."""
-    # Both engines' ``generate`` are async generators (closed by ``_metered``, or here).
+    # Both engines' ``generate`` are async generators (closed by ``replies.metered``, or here).
     streams = [cast(AsyncGenerator[Delta, None], engine.generate(g)) for g in generates]
     firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
     failure: BaseException | None = None
