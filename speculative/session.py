@@ -227,15 +227,26 @@ class DecodeSession:
         self.prefill_seconds += _clock(self.target.device) - start
         return part.done == len(part.prompt)
 
-    def add_prefilled(self, key: Hashable, part: PartialPrefill, sampling: SamplingParams) -> int:
-        """Join a prompt ``prefill_chunk`` finished; returns its first generated token."""
+    def add_prefilled(
+        self, keys: Sequence[Hashable], part: PartialPrefill, sampling: Sequence[SamplingParams]
+    ) -> dict[Hashable, int]:
+        """Join a prompt ``prefill_chunk`` finished as one row per key (an API
+        call's choices share one prefill: its caches are copied); returns each
+        row's first generated token."""
         if part.last_logits is None or part.done < len(part.prompt):
             raise ValueError("the prompt is not prefilled yet")
         if part.joined:
             raise ValueError("the prompt has joined already")
-        self._check_new([key], [])
+        if len(keys) != len(sampling) or not keys:
+            raise ValueError("add_prefilled needs one sampling setting per key, and at least one key")
+        self._check_new(keys, [])
         start = _clock(self.target.device)
-        first = self._join([key], [part.prompt], [sampling], part.batch, part.last_logits)[key]
+        batch, last_logits = part.batch, part.last_logits
+        if len(keys) > 1:
+            copies = torch.zeros(len(keys), dtype=torch.long, device=self.target.device)
+            batch.select_rows(copies)
+            last_logits = last_logits[copies]
+        first = self._join(keys, [part.prompt] * len(keys), sampling, batch, last_logits)
         part.joined = True
         self.prefill_seconds += _clock(self.target.device) - start
         return first

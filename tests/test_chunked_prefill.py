@@ -189,3 +189,28 @@ def test_a_prompt_in_its_chunks_holds_a_batch_place(pair):
         greedy(target, long_prompt, 5),
         greedy(target, prompts(2)[1], 5),
     ]
+
+
+def test_a_call_s_choices_share_one_chunked_prefill(pair):
+    """Three choices of one long prompt (queued together, as an API call's
+    ``n``) are prefilled a chunk at a time once, not three times, and each
+    decodes the target's greedy tokens."""
+    target, _, _ = pair
+    engine, _ = engine_with_events(pair, prefill_chunk=8, max_batch_size=4)
+    chunks = []
+    original = engine.session.prefill_chunk
+    engine.session.prefill_chunk = lambda part, size: chunks.append(part.done) or original(part, size)
+    requests = [GenerateRequest(f"c{i}", LONG, 10, group="call") for i in range(3)]
+
+    async def main():
+        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
+        await until(lambda: engine.stats().waiting == len(requests))  # all queued before the scheduler starts
+        engine.start()
+        return await asyncio.gather(*calls)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert chunks == [0, 8, 16, 24, 32]  # 40 tokens, 8 at a time, once
+    assert [ids for _, ids, _ in results] == [greedy(target, LONG, 10)] * 3

@@ -147,7 +147,7 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(qwen_pair
         chunks += 1
         outputs["s"] += chunked.step(4)[1]["s"]  # the running row decodes between chunks
     assert chunks == 3 and part.done == len(long)
-    outputs["l"] = [chunked.add_prefilled("l", part, SamplingParams())]
+    outputs["l"] = [chunked.add_prefilled(["l"], part, [SamplingParams()])["l"]]
     assert outputs["l"] == [whole.add(["l"], [long], [SamplingParams()])["l"]]
     chunked.remove(["s"])
     for b in (16, 4, 16):
@@ -157,16 +157,30 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(qwen_pair
     assert outputs["l"] == reference_greedy(target, long, len(outputs["l"]))
 
 
+def test_a_chunked_prompt_joins_as_several_rows(qwen_pair):
+    """One chunked prefill, joined once per key (an API call's choices): every
+    row decodes the target's greedy tokens."""
+    target, draft = qwen_pair
+    prompt = random_prompts(1, seed=43, min_len=20, max_len=20)[0]
+    session = DecodeSession(target, draft)
+    part = session.start_prefill(prompt)
+    while not session.prefill_chunk(part, 6):
+        pass
+    outputs = {k: [t] for k, t in session.add_prefilled(["a", "b"], part, [SamplingParams()] * 2).items()}
+    decode_until(session, outputs, NEW, itertools.cycle([4, 16]))
+    assert outputs["a"][:NEW] == outputs["b"][:NEW] == reference_greedy(target, prompt, NEW)
+
+
 def test_a_partial_prefill_refuses_to_join_early_or_twice(qwen_pair):
     target, draft = qwen_pair
     session = DecodeSession(target, draft)
     part = session.start_prefill([1, 2, 3, 4])
     with pytest.raises(ValueError, match="not prefilled"):
-        session.add_prefilled("p", part, SamplingParams())
+        session.add_prefilled(["p"], part, [SamplingParams()])
     assert session.prefill_chunk(part, 8)
-    session.add_prefilled("p", part, SamplingParams())
+    session.add_prefilled(["p"], part, [SamplingParams()])
     with pytest.raises(ValueError, match="joined already"):
-        session.add_prefilled("q", part, SamplingParams())
+        session.add_prefilled(["q"], part, [SamplingParams()])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         session.start_prefill([10_000])
     assert len(session) == 1

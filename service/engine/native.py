@@ -412,9 +412,13 @@ class NativeEngine:
         job.send(Delta("", (), "error"))
 
     def _start_chunked(self, job: _Job) -> None:
-        """Queue a long prompt for ``_prefill_chunk``; only it fails if that fails."""
+        """Queue a long prompt for ``_prefill_chunk``, sharing the prefill of an
+        identical one already queued (an API call's choices); only it fails if
+        starting fails."""
+        prompt = list(job.request.prompt_ids)
+        shared = next((part for _, part in self._chunking if part.prompt == prompt), None)
         try:
-            part = self.session.start_prefill(job.request.prompt_ids)
+            part = shared or self.session.start_prefill(prompt)
         except Exception:
             self._fail_prefill(job)
             return
@@ -422,27 +426,31 @@ class NativeEngine:
             self._chunking.append((job, part))
 
     def _prefill_chunk(self) -> None:
-        """Prefill the next chunk of the oldest long prompt; join it once done.
-        Chunks even when no row decodes: a request may arrive meanwhile, and
-        prefilling the rest at once kept it waiting up to 2.8 s (docs/LOG.md)."""
-        job, part = self._chunking[0]
-        key = job.request.request_id
+        """Prefill the next chunk of the oldest long prompt; once done, join it
+        as a row for every request sharing it. Chunks even when no row decodes:
+        a request may arrive meanwhile, and prefilling the rest at once kept it
+        waiting up to 2.8 s (docs/LOG.md)."""
+        part = self._chunking[0][1]
+        sharing = [job for job, shared in self._chunking if shared is part]
+        keys = [job.request.request_id for job in sharing]
         started = time.perf_counter()
         try:
             done = self.session.prefill_chunk(part, self.config.prefill_chunk)
-            first = self.session.add_prefilled(key, part, job.request.sampling) if done else None
+            samplings = [job.request.sampling for job in sharing]
+            first = self.session.add_prefilled(keys, part, samplings) if done else None
         except Exception:
             with self._lock:
-                self._chunking.popleft()
-            self._fail_prefill(job)
+                self._chunking = collections.deque(entry for entry in self._chunking if entry[1] is not part)
+            for job in sharing:
+                self._fail_prefill(job)
             return
-        rows = len(self.session) + (first is None)  # the rows that waited for this chunk, and its own
+        rows = len(self.session) + (0 if first is not None else len(sharing))  # those that waited, and its own
         if first is not None:
             with self._lock:
-                self._chunking.popleft()
-                self._running[key] = job
-                self._prefilling -= 1
-            self._deliver({key: [first]}, None, self._first_logprobs())
+                self._chunking = collections.deque(entry for entry in self._chunking if entry[1] is not part)
+                self._running.update(zip(keys, sharing, strict=True))
+                self._prefilling -= len(sharing)
+            self._deliver({key: [token] for key, token in first.items()}, None, self._first_logprobs())
         if self.on_prefill is not None:
             self.on_prefill(rows, time.perf_counter() - started)
 
