@@ -199,10 +199,7 @@ class DecodeSession:
         start = _clock(self.target.device)
         unique = {prompt: i for i, prompt in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
         batch, last_logits = self._prefill(list(unique))
-        if len(unique) < len(prompts):
-            copies = torch.tensor([unique[tuple(p)] for p in prompts], device=self.target.device)
-            batch.select_rows(copies)
-            last_logits = last_logits[copies]
+        last_logits = _copy_rows(batch, last_logits, [unique[tuple(p)] for p in prompts])
         first = self._join(keys, prompts, sampling, batch, last_logits)
         self.prefill_seconds += _clock(self.target.device) - start
         return first
@@ -241,12 +238,8 @@ class DecodeSession:
             raise ValueError("add_prefilled needs one sampling setting per key, and at least one key")
         self._check_new(keys, [])
         start = _clock(self.target.device)
-        batch, last_logits = part.batch, part.last_logits
-        if len(keys) > 1:
-            copies = torch.zeros(len(keys), dtype=torch.long, device=self.target.device)
-            batch.select_rows(copies)
-            last_logits = last_logits[copies]
-        first = self._join(keys, [part.prompt] * len(keys), sampling, batch, last_logits)
+        last_logits = _copy_rows(part.batch, part.last_logits, [0] * len(keys))
+        first = self._join(keys, [part.prompt] * len(keys), sampling, part.batch, last_logits)
         part.joined = True
         self.prefill_seconds += _clock(self.target.device) - start
         return first
@@ -426,12 +419,12 @@ class DecodeSession:
     ) -> dict[Hashable, list[TokenLogprob]]:
         """The emitted tokens' log-probabilities for the rows that ask: a row's
         committed slots ``kept`` [B, q], in path order, score the tokens after them."""
-        rows = zip(self.rows.keys, self.rows.params, kept, logits, strict=True)
-        return {
-            key: token_logprobs(row_logits[slots.nonzero()[:, 0]], emitted[key], p.logprobs)
-            for key, p, slots, row_logits in rows
+        asking = [
+            (i, key, p.logprobs)
+            for i, (key, p) in enumerate(zip(self.rows.keys, self.rows.params, strict=True))
             if p.logprobs is not None
-        }
+        ]
+        return {key: token_logprobs(logits[i, kept[i].nonzero()[:, 0]], emitted[key], top) for i, key, top in asking}
 
     def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
         """Run the target over the left-padded prompts, fill both caches; returns
@@ -546,6 +539,8 @@ class DecodeSession:
         is adjusted for its own path (the tokens on it, its depth): the one plain
         decoding would use after that prefix, whichever path the row commits.
         Without them, every position as right after the committed tokens."""
+        if not self._adjusting():
+            return logits
         device, params = logits.device, self.rows.params
         drafts = None if block is None else block[:, 1:]
         paths, depths = (None, None) if tree is None else (tree.visibility(device), tree.depths(device))
@@ -615,6 +610,16 @@ class DecodeSession:
         # With a draft, every target forward captures its feature layers and the batch has a draft cache.
         assert features is not None and batch.draft_cache is not None
         append_draft_context(batch.draft_cache, draft.context_kv(features, positions))
+
+
+def _copy_rows(batch: RaggedBatch, last_logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Make ``batch``'s prefilled rows the given ``rows`` of it (an index repeated
+    for each copy of an identical prompt); returns their last logits [len(rows), V]."""
+    if rows == list(range(len(last_logits))):
+        return last_logits
+    index = torch.tensor(rows, device=last_logits.device)
+    batch.select_rows(index)
+    return last_logits[index]
 
 
 def _sample_first(

@@ -175,8 +175,8 @@ def test_n_streamed_choices_interleave_with_their_index(client):
 
 
 def test_n_beyond_capacity_is_400_and_choices_are_admitted_all_or_none(model):
-    # 10 ms steps keep the first request (>= 375 rounds) running throughout.
-    live, engine = make_server(model, step_cost=lambda batch, block: 0.01, max_batch_size=1, max_waiting=1)
+    # 40 ms steps keep the first request (>= 375 rounds, 15 s) running throughout.
+    live, engine = make_server(model, step_cost=lambda batch, block: 0.04, max_batch_size=1, max_waiting=1)
     body = {"model": "target", "prompt": "x", "max_tokens": 1500, "stream": True, "temperature": 0}
     with live as url, httpx2.stream("POST", url + "/v1/completions", json=body, timeout=30) as busy:
         lines = busy.iter_lines()  # keep a reference: a dropped iterator closes the response

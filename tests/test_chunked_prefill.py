@@ -7,7 +7,7 @@ import itertools
 import threading
 import time
 
-from test_engine import collect, greedy, prompts, run
+from test_engine import collect, greedy, prompts, run, run_queued
 
 from service.engine import GenerateRequest, NativeEngine, NativeEngineConfig
 from speculative.policy import BlockPolicy
@@ -201,16 +201,6 @@ def test_a_call_s_choices_share_one_chunked_prefill(pair):
     original = engine.session.prefill_chunk
     engine.session.prefill_chunk = lambda part, size: chunks.append(part.done) or original(part, size)
     requests = [GenerateRequest(f"c{i}", LONG, 10, group="call") for i in range(3)]
-
-    async def main():
-        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
-        await until(lambda: engine.stats().waiting == len(requests))  # all queued before the scheduler starts
-        engine.start()
-        return await asyncio.gather(*calls)
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        engine.stop()
+    results = run_queued(engine, requests)
     assert chunks == [0, 8, 16, 24, 32]  # 40 tokens, 8 at a time, once
-    assert [ids for _, ids, _ in results] == [greedy(target, LONG, 10)] * 3
+    assert [ids for _, ids in results] == [greedy(target, LONG, 10)] * 3

@@ -45,6 +45,31 @@ def run(engine, coro):
         engine.stop()
 
 
+def run_queued(engine, requests) -> list[tuple[str, list[int]]]:
+    """Queue every request before the scheduler starts (its admission then
+    sees them all at once), run them; (request id, token ids) in finishing order."""
+    finished = []
+
+    async def one(request):
+        _, ids, _ = await collect(engine, request)
+        finished.append((request.request_id, ids))
+
+    async def main():
+        calls = [asyncio.create_task(one(r)) for r in requests]
+        for _ in range(6000):
+            if engine.stats().waiting == len(requests):
+                break
+            await asyncio.sleep(0.01)
+        engine.start()
+        await asyncio.gather(*calls)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    return finished
+
+
 @pytest.mark.parametrize(("branches", "lookup"), [(1, 0), (4, 0), (4, 6)])
 def test_concurrent_requests_get_their_greedy_tokens_and_text(pair, branches, lookup, monkeypatch):
     target, draft, tokenizer = pair
@@ -320,21 +345,5 @@ def test_a_call_s_many_choices_share_the_batch_with_a_later_call(pair):
     engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=2, policy=BlockPolicy.fixed(4)))
     prompt = prompts(1)[0]
     requests = [*(GenerateRequest(f"a{i}", prompt, 24, group="a") for i in range(4)), GenerateRequest("b", prompt, 24)]
-    finished: list[str] = []
-
-    async def one(request):
-        await collect(engine, request)
-        finished.append(request.request_id)
-
-    async def main():
-        calls = [asyncio.create_task(one(r)) for r in requests]
-        while engine.stats().waiting < len(requests):  # all queued before the scheduler starts
-            await asyncio.sleep(0.01)
-        engine.start()
-        await asyncio.gather(*calls)
-
-    try:
-        asyncio.run(main())
-    finally:
-        engine.stop()
+    finished = [key for key, _ in run_queued(engine, requests)]
     assert set(finished[:2]) == {"a0", "b"} and sorted(finished[2:]) == ["a1", "a2", "a3"]

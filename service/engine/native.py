@@ -439,20 +439,24 @@ class NativeEngine:
             samplings = [job.request.sampling for job in sharing]
             first = self.session.add_prefilled(keys, part, samplings) if done else None
         except Exception:
-            with self._lock:
-                self._chunking = collections.deque(entry for entry in self._chunking if entry[1] is not part)
+            self._unqueue(part)
             for job in sharing:
                 self._fail_prefill(job)
             return
         rows = len(self.session) + (0 if first is not None else len(sharing))  # those that waited, and its own
         if first is not None:
+            self._unqueue(part)
             with self._lock:
-                self._chunking = collections.deque(entry for entry in self._chunking if entry[1] is not part)
                 self._running.update(zip(keys, sharing, strict=True))
                 self._prefilling -= len(sharing)
             self._deliver({key: [token] for key, token in first.items()}, None, self._first_logprobs())
         if self.on_prefill is not None:
             self.on_prefill(rows, time.perf_counter() - started)
+
+    def _unqueue(self, part: PartialPrefill) -> None:
+        """Take every request sharing ``part`` off the chunked-prefill queue."""
+        with self._lock:
+            self._chunking = collections.deque(entry for entry in self._chunking if entry[1] is not part)
 
     def _step(self, policy: BlockPolicy) -> None:
         b = self._turns.block_size(policy, len(self.session))
