@@ -30,7 +30,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> lis
     """For ``tokens[j]`` scored by ``logits[j]`` ([n, V], the target's logits
     after the prefix before it): its log-probability and the ``top`` best."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
     best = logprobs.topk(top, dim=-1) if top else None
     return [
         TokenLogprob(

@@ -37,7 +37,9 @@ class SamplingParams:
     ``suppressed`` (its stop tokens), in the target's and the draft's
     distribution alike, so speculation stays exact. ``logprobs``: also report,
     for each generated token, its log-probability under the target and the
-    ``logprobs`` most likely tokens' (``speculative.logprobs``; None: off)."""
+    ``logprobs`` most likely tokens' (``speculative.logprobs``; None: off).
+    ``prompt_logprobs``: the same for each prompt token after the first (an
+    echoed completion's; None: off)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -49,10 +51,12 @@ class SamplingParams:
     min_tokens: int = 0
     suppressed: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name, top in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):

@@ -112,13 +112,17 @@ def check_pair(target: TargetModel, draft: DFlashDraftModel) -> None:
 class PartialPrefill:
     """A prompt being prefilled a chunk at a time (``DecodeSession.start_prefill``):
     its caches, the tokens done, the last chunk's final logits [1, V], and
-    whether its row has joined (its caches are the batch's then)."""
+    whether its row has joined (its caches are the batch's then). With
+    ``prompt_logprobs`` (top tokens each), ``scored`` gathers the log-probabilities
+    of the prompt's tokens after the first as the chunks run."""
 
     prompt: list[int]
     batch: RaggedBatch
+    prompt_logprobs: int | None = None
     done: int = 0
     last_logits: torch.Tensor | None = None
     joined: bool = False
+    scored: list[TokenLogprob] = field(default_factory=list)
 
 
 class DecodeSession:
@@ -171,6 +175,9 @@ class DecodeSession:
         self.prefill_seconds = 0.0
         self.first_logprobs: dict[Hashable, TokenLogprob] = {}
         """The last ``add`` / ``add_prefilled``'s first tokens' log-probabilities, for the rows that ask."""
+        self.prompt_logprobs: dict[Hashable, list[TokenLogprob]] = {}
+        """The last ``add`` / ``add_prefilled``'s prompt tokens' log-probabilities (each
+        prompt token after the first), for the rows that ask (``SamplingParams.prompt_logprobs``)."""
 
     def __len__(self) -> int:
         return len(self.rows.keys)
@@ -198,18 +205,30 @@ class DecodeSession:
         self._check_new(keys, prompts)
         start = _clock(self.target.device)
         unique = {prompt: i for i, prompt in enumerate(dict.fromkeys(tuple(p) for p in prompts))}
-        batch, last_logits = self._prefill(list(unique))
+        tops: dict[int, int] = {}  # per unique prompt some row scores: the most top tokens a row asks for
+        for prompt, s in zip(prompts, sampling, strict=True):
+            if s.prompt_logprobs is not None:
+                i = unique[tuple(prompt)]
+                tops[i] = max(tops.get(i, 0), s.prompt_logprobs)
+        batch, last_logits, scored = self._prefill(list(unique), tops)
+        self.prompt_logprobs = {
+            key: _trimmed(scored[unique[tuple(prompt)]], s.prompt_logprobs)
+            for key, prompt, s in zip(keys, prompts, sampling, strict=True)
+            if s.prompt_logprobs is not None
+        }
         last_logits = _copy_rows(batch, last_logits, [unique[tuple(p)] for p in prompts])
         first = self._join(keys, prompts, sampling, batch, last_logits)
         self.prefill_seconds += _clock(self.target.device) - start
         return first
 
-    def start_prefill(self, prompt: Sequence[int]) -> PartialPrefill:
+    def start_prefill(self, prompt: Sequence[int], prompt_logprobs: int | None = None) -> PartialPrefill:
         """A prompt to prefill a chunk at a time (``prefill_chunk``) into caches of
         its own while the batch decodes, then join with ``add_prefilled``: a long
-        prompt then stalls the running rows for a chunk at a time, not for all of it."""
+        prompt then stalls the running rows for a chunk at a time, not for all of it.
+        ``prompt_logprobs``: score its tokens too, with that many top tokens (the most
+        its joining rows ask for)."""
         self._check_new([], [prompt])
-        return PartialPrefill(list(prompt), self._new_batch(1))
+        return PartialPrefill(list(prompt), self._new_batch(1), prompt_logprobs)
 
     def prefill_chunk(self, part: PartialPrefill, max_tokens: int) -> bool:
         """Run the target over the next ``max_tokens`` tokens of ``part``'s prompt
@@ -219,7 +238,13 @@ class DecodeSession:
         chunk = part.prompt[part.done : part.done + max_tokens]
         ids = torch.tensor([chunk], dtype=torch.long, device=device)
         positions = torch.arange(part.done, part.done + len(chunk), device=device)[None]
-        part.last_logits = self._prefill_forward(part.batch, ids, positions)
+        top = part.prompt_logprobs
+        logits = self._prefill_forward(part.batch, ids, positions, every_position=top is not None)
+        if top is not None:
+            # Each position's logits score the prompt's next token, the next chunk's first included.
+            following = part.prompt[part.done + 1 : part.done + len(chunk) + 1]
+            part.scored += token_logprobs(logits[0, : len(following)], following, top)
+        part.last_logits = logits[:, -1]
         part.done += len(chunk)
         self.prefill_seconds += _clock(self.target.device) - start
         return part.done == len(part.prompt)
@@ -236,8 +261,16 @@ class DecodeSession:
             raise ValueError("the prompt has joined already")
         if len(keys) != len(sampling) or not keys:
             raise ValueError("add_prefilled needs one sampling setting per key, and at least one key")
+        asked = [s.prompt_logprobs for s in sampling if s.prompt_logprobs is not None]
+        if asked and (part.prompt_logprobs is None or max(asked) > part.prompt_logprobs):
+            raise ValueError("a row asks for more prompt log-probabilities than start_prefill computes")
         self._check_new(keys, [])
         start = _clock(self.target.device)
+        self.prompt_logprobs = {
+            key: _trimmed(part.scored, s.prompt_logprobs)
+            for key, s in zip(keys, sampling, strict=True)
+            if s.prompt_logprobs is not None
+        }
         last_logits = _copy_rows(part.batch, part.last_logits, [0] * len(keys))
         first = self._join(keys, [part.prompt] * len(keys), sampling, part.batch, last_logits)
         part.joined = True
@@ -426,9 +459,12 @@ class DecodeSession:
         ]
         return {key: token_logprobs(logits[i, kept[i].nonzero()[:, 0]], emitted[key], top) for i, key, top in asking}
 
-    def _prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[RaggedBatch, torch.Tensor]:
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], tops: dict[int, int]
+    ) -> tuple[RaggedBatch, torch.Tensor, dict[int, list[TokenLogprob]]]:
         """Run the target over the left-padded prompts, fill both caches; returns
-        the new rows' batch state and their last logits [B, V]."""
+        the new rows' batch state, their last logits [B, V], and for the prompts
+        ``tops`` names, their tokens' log-probabilities with that many top tokens."""
         device = self.target.device
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
@@ -437,7 +473,12 @@ class DecodeSession:
             ids[i, width - len(prompt) :] = torch.tensor(prompt, device=device)
             positions[i, width - len(prompt) :] = torch.arange(len(prompt), device=device)
         batch = self._new_batch(len(prompts))
-        return batch, self._prefill_forward(batch, ids, positions)
+        logits = self._prefill_forward(batch, ids, positions, every_position=bool(tops))
+        scored = {
+            i: token_logprobs(logits[i, width - len(prompts[i]) : width - 1], prompts[i][1:], top)
+            for i, top in tops.items()
+        }
+        return batch, logits[:, -1], scored
 
     def _new_batch(self, rows: int) -> RaggedBatch:
         """Empty caches for ``rows`` rows about to be prefilled."""
@@ -447,23 +488,27 @@ class DecodeSession:
             draft_cache=self.target.new_cache(in_place=self.in_place_cache) if self.draft is not None else None,
         )
 
-    def _prefill_forward(self, batch: RaggedBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _prefill_forward(
+        self, batch: RaggedBatch, ids: torch.Tensor, positions: torch.Tensor, *, every_position: bool = False
+    ) -> torch.Tensor:
         """Append prompt tokens ``ids`` at ``positions`` [B, n] to ``batch``'s caches
-        (the draft's context too); returns the last position's logits [B, V]
-        (prompts are left-padded). Only those: the LM head over every prompt
-        position cost 13-19 % of a SmolLM2 prefill of 128-2,048 tokens (docs/LOG.md)."""
+        (the draft's context too); returns the last position's logits [B, 1, V]
+        (prompts are left-padded), or with ``every_position`` every position's
+        [B, n, V] (to score the prompt). Only the last by default: the LM head over
+        every prompt position cost 13-19 % of a SmolLM2 prefill of 128-2,048 tokens
+        (docs/LOG.md)."""
         out = self.target.forward(
             ids,
             positions,
             batch.target_cache,
             batch.slot_positions,
             feature_layers=self.feature_layers,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_position else 1,
         )
         if self.draft is not None:
             self._append_context(batch, self.draft, out.features, positions)
         batch.commit(positions)
-        return out.logits[:, -1]
+        return out.logits
 
     def _propose(
         self, positions: torch.Tensor, branching: bool
@@ -620,6 +665,11 @@ def _copy_rows(batch: RaggedBatch, last_logits: torch.Tensor, rows: list[int]) -
     index = torch.tensor(rows, device=last_logits.device)
     batch.select_rows(index)
     return last_logits[index]
+
+
+def _trimmed(scores: list[TokenLogprob], top: int) -> list[TokenLogprob]:
+    """``scores`` with each token's ``top`` best only (a shared prefill computed the most any row asked for)."""
+    return [TokenLogprob(s.token, s.logprob, s.top[:top]) for s in scores]
 
 
 def _sample_first(

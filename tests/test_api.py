@@ -83,11 +83,72 @@ def test_completion_logprobs_name_tokens_with_offsets(client):
     reply = client.completions.create(model="target", prompt="import os\n", max_tokens=10, temperature=1.0, logprobs=2)
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == reply.usage.completion_tokens
-    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
+    # Up to logprobs + 1 entries: the chosen token is always named (OpenAI's rule).
+    assert all(len(top) <= 3 and top[token] == lp for token, lp, top in zip(*listed(logprobs), strict=True))
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:j])) for j in range(len(logprobs.tokens))]
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="target", prompt="x", logprobs=6)
     assert info.value.body["param"] == "logprobs"
+
+
+def listed(logprobs):
+    return logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(model, client):
+    """``echo`` with ``logprobs``, as lm-evaluation-harness's loglikelihood tasks
+    send it (token-id prompts in a batch, max_tokens 1, or 0 for the prompt
+    alone): each choice's text starts with its prompt, and its log-probabilities
+    with the prompt's tokens, the first unscored, the others the target's after
+    the exact prefix; streamed, the first chunk carries the same."""
+    _, target, _, tokenizer = model
+    texts = ["import os\nimport sys\n", "def add(a, b):\n    return"]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for max_tokens in (1, 0):
+        reply = client.completions.create(
+            model="target", prompt=prompts, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1
+        )
+        assert reply.usage.completion_tokens == max_tokens * len(prompts)
+        for choice, prompt, text in zip(reply.choices, prompts, texts, strict=True):
+            tokens, token_logprobs, top = listed(choice.logprobs)
+            assert choice.text.startswith(text) and len(tokens) == len(prompt) + max_tokens
+            assert tokens[: len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+            assert token_logprobs[0] is None and top[0] is None
+            with torch.no_grad():
+                logits = target.model(torch.tensor([prompt])).logits[0, :-1]
+            reference = torch.log_softmax(logits.float(), dim=-1)
+            for j, token in enumerate(prompt[1:]):
+                assert token_logprobs[j + 1] == pytest.approx(reference[j, token].item(), abs=1e-3)
+                best = reference[j].argmax().item()
+                assert top[j + 1][tokenizer.decode([best])] == pytest.approx(reference[j, best].item(), abs=1e-3)
+            assert choice.logprobs.text_offset == [sum(map(len, tokens[:j])) for j in range(len(tokens))]
+        if max_tokens == 0:
+            assert [c.text for c in reply.choices] == texts and {c.finish_reason for c in reply.choices} == {"length"}
+    whole = client.completions.create(
+        model="target", prompt=texts[1], max_tokens=6, temperature=0, echo=True, logprobs=2
+    )
+    chunks = list(
+        client.completions.create(
+            model="target", prompt=texts[1], max_tokens=6, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [listed(c.choices[0].logprobs) for c in chunks if c.choices[0].logprobs]
+    assert [x for part in streamed for x in part[0]] == whole.choices[0].logprobs.tokens
+    assert [x for part in streamed for x in part[1]] == whole.choices[0].logprobs.token_logprobs
+
+
+def test_echo_without_logprobs_puts_the_prompt_before_the_completion(model, client):
+    tokenizer = model[3]
+    prompt_ids = tokenizer("import json\n", add_special_tokens=False)["input_ids"]
+    expected, _ = greedy_text(model, prompt_ids, 8)
+    for prompt in ("import json\n", prompt_ids):
+        reply = client.completions.create(model="target", prompt=prompt, max_tokens=8, temperature=0, echo=True, n=2)
+        assert [c.text for c in reply.choices] == ["import json\n" + expected] * 2
+        assert reply.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="target", prompt="x", max_tokens=0)
 
 
 def test_completions_with_text_and_token_prompts(model, client):

@@ -7,10 +7,13 @@ import itertools
 import threading
 import time
 
+import pytest
+import torch
 from test_engine import collect, greedy, prompts, run, run_queued
 
 from service.engine import GenerateRequest, NativeEngine, NativeEngineConfig
 from speculative.policy import BlockPolicy
+from speculative.sampling import SamplingParams
 
 LONG = tuple(10 + (11 * j) % 300 for j in range(40))
 
@@ -204,3 +207,46 @@ def test_a_call_s_choices_share_one_chunked_prefill(pair):
     results = run_queued(engine, requests)
     assert chunks == [0, 8, 16, 24, 32]  # 40 tokens, 8 at a time, once
     assert [ids for _, ids in results] == [greedy(target, LONG, 10)] * 3
+
+
+def test_a_chunked_prefill_scores_the_prompt_for_the_requests_that_ask(pair):
+    """Prompt log-probabilities of a long prompt come chunk by chunk, on the
+    first delta of the requests that ask, as one full forward gives them; a
+    request with the same prompt that does not ask shares no prefill with them
+    (it would pay for every position's logits) and gets none."""
+    target, _, _ = pair
+    engine, _ = engine_with_events(pair, prefill_chunk=8, max_batch_size=4)
+    chunks = []
+    original = engine.session.prefill_chunk
+    engine.session.prefill_chunk = lambda part, size: chunks.append(part.done) or original(part, size)
+    scoring = SamplingParams(prompt_logprobs=1)
+    requests = [
+        GenerateRequest("a", LONG, 6, scoring, group="call"),
+        GenerateRequest("b", LONG, 6, scoring, group="call"),
+        GenerateRequest("c", LONG, 6),
+    ]
+
+    async def main():
+        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
+        await until(lambda: engine.stats().waiting == len(requests))
+        engine.start()
+        return await asyncio.gather(*calls)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert sorted(chunks) == sorted([0, 8, 16, 24, 32] * 2)  # one prefill for a and b, one for c
+    with torch.no_grad():
+        reference = torch.log_softmax(target.model(torch.tensor([LONG])).logits[0, :-1].float(), dim=-1)
+    for (deltas, ids, _), request in zip(results, requests, strict=True):
+        assert ids == greedy(target, LONG, 6)
+        scored = deltas[0].prompt_logprobs
+        if request.sampling.prompt_logprobs is None:
+            assert scored == () and all(d.prompt_logprobs == () for d in deltas)
+            continue
+        assert [s.token for s in scored] == list(LONG[1:])
+        assert [s.logprob for s in scored] == pytest.approx(
+            reference.gather(1, torch.tensor(LONG[1:])[:, None])[:, 0].tolist(), abs=1e-4
+        )
+        assert [s.top[0][0] for s in scored] == reference.argmax(-1).tolist()

@@ -96,6 +96,52 @@ def test_logprobs_are_the_targets_own_whichever_path_committed_the_token(qwen_pa
         assert [t for t, _ in g.top] == reference[j].topk(3).indices.tolist() and g.top[0][0] == tokens[j]
 
 
+def prompt_reference(target, prompt: list[int]) -> torch.Tensor:
+    """The target's log-probabilities after each prompt prefix, from one full forward [len - 1, V]."""
+    with torch.no_grad():
+        return torch.log_softmax(target.model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+
+
+def assert_scores_prompt(scored, target, prompt: list[int], top: int) -> None:
+    """``scored`` holds, for each prompt token after the first, its log-probability
+    and the ``top`` best tokens' as one full forward over the prompt gives them."""
+    reference = prompt_reference(target, prompt)
+    assert [s.token for s in scored] == prompt[1:]
+    for j, s in enumerate(scored):
+        assert s.logprob == pytest.approx(reference[j, prompt[j + 1]].item(), abs=1e-4)
+        assert [t for t, _ in s.top] == reference[j].topk(top).indices.tolist()
+
+
+def test_prompt_logprobs_score_each_prompt_token_in_a_batched_and_a_chunked_prefill(qwen_pair):
+    """Rows asking for ``prompt_logprobs`` get their prompt tokens scored by the
+    target (left padding, a shared prefill with another top count, chunks of
+    any size change nothing); rows that do not ask get none, and their first
+    tokens are what a prefill without scoring draws."""
+    target, draft = qwen_pair
+    short, long = random_prompts(2, seed=52, min_len=6, max_len=17)
+    session = DecodeSession(target, draft)
+    params = [SamplingParams(prompt_logprobs=2), SamplingParams(prompt_logprobs=0), SamplingParams(), SamplingParams()]
+    first = session.add(["a", "b", "c", "d"], [long, long, short, long], params)
+    assert sorted(session.prompt_logprobs) == ["a", "b"]
+    assert_scores_prompt(session.prompt_logprobs["a"], target, long, 2)
+    assert_scores_prompt(session.prompt_logprobs["b"], target, long, 0)
+    plain = DecodeSession(target, draft).add(["c", "d"], [short, long], [SamplingParams()] * 2)
+    assert plain == {"c": first["c"], "d": first["d"]} and first["a"] == first["d"]
+    for chunk in (1, 5, len(long)):
+        part = session.start_prefill(long, prompt_logprobs=3)
+        while not session.prefill_chunk(part, chunk):
+            pass
+        joined = session.add_prefilled([f"e{chunk}", f"f{chunk}"], part, [SamplingParams(prompt_logprobs=1)] * 2)
+        assert joined[f"e{chunk}"] == first["d"]
+        assert_scores_prompt(session.prompt_logprobs[f"f{chunk}"], target, long, 1)
+    part = session.start_prefill(long, prompt_logprobs=1)
+    session.prefill_chunk(part, len(long))
+    with pytest.raises(ValueError, match="prompt log-probabilities"):
+        session.add_prefilled(["g"], part, [SamplingParams(prompt_logprobs=2)])
+    session.add(["h"], [[7]], [SamplingParams(prompt_logprobs=1)])
+    assert session.prompt_logprobs == {"h": []}
+
+
 def test_block_size_one_rounds_keep_the_draft_context(qwen_pair):
     """Plain rounds still feed the draft: speculative rounds after them accept
     exactly what they accept for a row prefilled with the same tokens."""

@@ -391,9 +391,10 @@ def test_capacity_and_context_limits():
     asyncio.run(scenario())
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         asyncio.run(_collect(engine, GenerateRequest("c", (1,) * 10, 8)))
-    with pytest.raises(InvalidRequestError, match="logprobs need the native engine") as info:
-        asyncio.run(_collect(engine, GenerateRequest("d", (1,), 1, SamplingParams(logprobs=0))))
-    assert info.value.param == "logprobs"
+    for sampling in (SamplingParams(logprobs=0), SamplingParams(prompt_logprobs=1)):  # the latter: an echo's
+        with pytest.raises(InvalidRequestError, match="logprobs need the native engine") as info:
+            asyncio.run(_collect(engine, GenerateRequest("d", (1,), 1, sampling)))
+        assert info.value.param == "logprobs"
 
 
 def test_policy_goes_to_every_scheduler_as_json():

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.api.errors import APIError, from_engine_error, install_handlers
-from service.api.replies import complete, metered, sse
+from service.api.replies import Echo, complete, metered, sse
 from service.api.responses import ChatCompletion, Completion, Model, ModelList, Policy, error_responses, install_openapi
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
 from service.config import ServeSettings
@@ -162,13 +162,20 @@ def build_app(
     )
     async def completions(body: CompletionRequest, request: Request) -> Response | dict[str, Any]:
         _check_model(body.model, settings)
+        texts = body.prompts()
         prompts = [
             list(prompt)
             if isinstance(prompt, list)
             else (await asyncio.to_thread(tokenizer, prompt, add_special_tokens=False))["input_ids"]
-            for prompt in body.prompts()
+            for prompt in texts
         ]
-        return await _serve(request, body, prompts, body.max_tokens, "text_completion", "cmpl")
+        echo = None
+        if body.echo:  # a prompt of token ids echoes as their text
+            echo = [
+                Echo(text if isinstance(text, str) else tokenizer.decode(ids), ids[0])
+                for text, ids in zip(texts, prompts, strict=True)
+            ]
+        return await _serve(request, body, prompts, body.max_tokens, "text_completion", "cmpl", echo)
 
     return app
 
@@ -180,9 +187,11 @@ async def _serve(
     max_tokens: int | None,
     kind: str,
     prefix: str,
+    echo: list[Echo] | None = None,
 ) -> Response | dict[str, Any]:
     """Run ``body.n`` choices for each prompt (choice index: prompt * n + choice)
-    and answer with all of them."""
+    and answer with all of them, each after its prompt's ``echo`` when given
+    (``max_tokens`` 0: the echo alone)."""
     app = request.app
     engine: Engine = app.state.engine
     settings: ServeSettings = app.state.settings
@@ -205,6 +214,7 @@ async def _serve(
         min_tokens=body.min_tokens,
         suppressed=stop_ids,
         logprobs=body.logprob_count(),
+        prompt_logprobs=body.logprob_count() if echo is not None else None,
     )
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     budgets = []
@@ -222,7 +232,8 @@ async def _serve(
         GenerateRequest(
             request_id=request_id if len(choices) == 1 else f"{request_id}-{k}",
             prompt_ids=tuple(prompts[p]),
-            max_tokens=budgets[p],
+            # max_tokens 0 (echo alone): the engine draws its first token with the prefill; it is dropped.
+            max_tokens=max(budgets[p], 1),
             sampling=_nth_seed(sampling, i),
             stop_token_ids=stop_ids,
             stop=tuple(body.stop or ()),
@@ -232,6 +243,8 @@ async def _serve(
     ]
     started = time.perf_counter()
     streams = await _admit(request, engine, generates)
+    if max_tokens == 0:
+        streams = [(stream, _prompt_only(first)) for stream, first in streams]
     metrics = app.state.metrics
     deltas = [
         metered(stream, first, metrics, started, len(generate.prompt_ids))
@@ -243,6 +256,7 @@ async def _serve(
         "model": body.model,
         "kind": kind,
         "prompt_tokens": sum(map(len, prompts)),
+        "echo": [echo[p] for p, _ in choices] if echo is not None else None,
     }
     # The tokenizer names the logprobs' tokens; None: the request asked for none.
     namer = app.state.tokenizer if sampling.logprobs is not None else None
@@ -282,6 +296,12 @@ async def _admit(
     if isinstance(failure, EngineError):
         raise from_engine_error(failure) from failure
     raise failure
+
+
+def _prompt_only(first: Delta) -> Delta:
+    """An echo-alone choice's only delta: its prompt's log-probabilities, without the
+    one token the engine drew (a final delta, so the engine's stream is closed after it)."""
+    return dataclasses.replace(first, text="", token_ids=(), logprobs=(), completion_tokens=0, finish_reason="length")
 
 
 def _nth_seed(sampling: SamplingParams, i: int) -> SamplingParams:

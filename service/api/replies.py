@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -18,6 +19,7 @@ from service.api.errors import APIError, error_response
 from service.api.logprobs import chat_logprobs, completion_logprobs
 from service.engine import Delta, SpecStats
 from service.metrics import Metrics
+from speculative.logprobs import TokenLogprob
 
 ENDED_BY_SERVER = {
     "error": APIError(500, "generation failed", type="server_error"),
@@ -31,6 +33,19 @@ ENDED_BY_SERVER = {
     ),
 }
 """Engine finish reasons that end a request with an error (response or final event)."""
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion choice's echoed prompt (``echo``): its text, put before the
+    choice's, and its first token, the one its log-probabilities leave unscored."""
+
+    text: str
+    first_token: int
+
+    def lead(self, first: Delta, text: str, scores: list[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
+        """The choice's ``text`` and ``scores`` from its ``first`` delta on, the prompt's before them."""
+        return self.text + text, [*first.prompt_logprobs, *scores]
 
 
 async def metered(
@@ -110,17 +125,22 @@ async def complete(
         if last.finish_reason in ENDED_BY_SERVER:
             raise ENDED_BY_SERVER[last.finish_reason]
     choices = []
-    chat = meta["kind"] == "chat.completion"
+    chat, echo = meta["kind"] == "chat.completion", meta.get("echo")
     for i, choice in enumerate(deltas):
         text = "".join(d.text for d in choice)
+        scores = [s for d in choice for s in d.logprobs]
         body: dict[str, object] = {"index": i, "finish_reason": choice[-1].finish_reason, "logprobs": None}
         if chat:
             body["message"] = {"role": "assistant", "content": text}
+            if namer is not None:
+                body["logprobs"] = chat_logprobs(scores, namer)
         else:
+            first = None
+            if echo is not None:
+                (text, scores), first = echo[i].lead(choice[0], text, scores), echo[i].first_token
             body["text"] = text
-        if namer is not None:
-            scores = [s for d in choice for s in d.logprobs]
-            body["logprobs"] = chat_logprobs(scores, namer) if chat else completion_logprobs(scores, namer, 0)
+            if namer is not None:
+                body["logprobs"] = completion_logprobs(scores, namer, 0, first)
         choices.append(body)
     return {
         "id": meta["id"],
@@ -144,18 +164,24 @@ async def sse(
     head = {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
 
     offsets = [0] * len(streams)  # each completion choice's text so far, for ``text_offset``
+    echo = meta.get("echo")
+    echoing = [echo is not None] * len(streams)  # a completion choice's first chunk leads with its prompt
 
     def chunk(index: int, delta: Delta, role: bool) -> str:
-        text, finish = delta.text, delta.finish_reason
+        text, finish, scores = delta.text, delta.finish_reason, list(delta.logprobs)
         logprobs: dict[str, Any] | None = None
         if chat:
             body = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
             if namer is not None:
-                logprobs = chat_logprobs(delta.logprobs, namer)
+                logprobs = chat_logprobs(scores, namer)
             choice = {"index": index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
         else:
+            first = None
+            if echo is not None and echoing[index]:
+                (text, scores), first = echo[index].lead(delta, text, scores), echo[index].first_token
+                echoing[index] = False
             if namer is not None:
-                logprobs = completion_logprobs(delta.logprobs, namer, offsets[index])
+                logprobs = completion_logprobs(scores, namer, offsets[index], first)
                 offsets[index] += sum(map(len, logprobs["tokens"]))
             choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return _event({**head, "choices": [choice]})
@@ -168,7 +194,7 @@ async def sse(
             if delta.finish_reason in ENDED_BY_SERVER:
                 yield _event(ENDED_BY_SERVER[delta.finish_reason].body())
                 break
-            if delta.text or role[i] or delta.finish_reason or delta.logprobs:
+            if delta.text or role[i] or echoing[i] or delta.finish_reason or delta.logprobs:
                 yield chunk(i, delta, role[i])
                 role[i] = False
             if delta.finish_reason is not None:

@@ -146,12 +146,15 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a text prompt, a list of token ids, or a batch
-    of either (each prompt gets its own ``n`` choices)."""
+    of either (each prompt gets its own ``n`` choices). ``echo`` puts the prompt
+    before each choice's text, and with ``logprobs`` its tokens' log-probabilities
+    before the completion's; ``max_tokens`` 0 (with ``echo`` only) scores the prompt
+    alone, as lm-evaluation-harness's loglikelihood tasks ask."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
 
     _text = field_validator("prompt")(encodable)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
@@ -168,9 +171,11 @@ class CompletionRequest(SamplingFields):
         return _batch(self.prompt)
 
     @model_validator(mode="after")
-    def _no_echo_or_suffix(self) -> CompletionRequest:
-        if self.echo or self.suffix is not None:
-            raise ValueError("echo and suffix are not supported")
+    def _supported_completion(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (the prompt's log-probabilities alone)")
         return self
 
     def logprob_count(self) -> int | None:

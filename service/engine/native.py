@@ -399,7 +399,7 @@ class NativeEngine:
             self._running.update(zip(keys, jobs, strict=True))
             self._prefilling -= len(jobs)
         joined = len(self.session)
-        self._deliver({key: [token] for key, token in first.items()}, None, self._first_logprobs())
+        self._deliver_first(first)
         # Every running row waited for it: the achieved speedup charges it to both sides (service/metrics.py).
         if self.on_prefill is not None:
             self.on_prefill(joined, time.perf_counter() - started)
@@ -413,12 +413,14 @@ class NativeEngine:
 
     def _start_chunked(self, job: _Job) -> None:
         """Queue a long prompt for ``_prefill_chunk``, sharing the prefill of an
-        identical one already queued (an API call's choices); only it fails if
-        starting fails."""
-        prompt = list(job.request.prompt_ids)
-        shared = next((part for _, part in self._chunking if part.prompt == prompt), None)
+        identical one already queued (an API call's choices, which ask for the same
+        prompt log-probabilities); only it fails if starting fails."""
+        prompt, top = list(job.request.prompt_ids), job.request.sampling.prompt_logprobs
+        shared = next(
+            (part for _, part in self._chunking if part.prompt == prompt and part.prompt_logprobs == top), None
+        )
         try:
-            part = shared or self.session.start_prefill(prompt)
+            part = shared or self.session.start_prefill(prompt, top)
         except Exception:
             self._fail_prefill(job)
             return
@@ -449,7 +451,7 @@ class NativeEngine:
             with self._lock:
                 self._running.update(zip(keys, sharing, strict=True))
                 self._prefilling -= len(sharing)
-            self._deliver({key: [token] for key, token in first.items()}, None, self._first_logprobs())
+            self._deliver_first(first)
         if self.on_prefill is not None:
             self.on_prefill(rows, time.perf_counter() - started)
 
@@ -487,20 +489,25 @@ class NativeEngine:
             if self.on_step is not None:
                 self.on_step(stats, seconds, output)
 
-    def _first_logprobs(self) -> dict[Hashable, list[TokenLogprob]]:
-        return {key: [logprob] for key, logprob in self.session.first_logprobs.items()}
+    def _deliver_first(self, first: dict[Hashable, int]) -> None:
+        """Send just-prefilled rows their first tokens, with the log-probabilities of those and
+        of their prompts where they asked (the session's from the ``add`` that drew them)."""
+        logprobs = {key: [logprob] for key, logprob in self.session.first_logprobs.items()}
+        self._deliver({key: [token] for key, token in first.items()}, None, logprobs, self.session.prompt_logprobs)
 
     def _deliver(
         self,
         emitted: dict[Hashable, list[int]],
         stats: RoundStats | None,
         logprobs: dict[Hashable, list[TokenLogprob]],
+        prompt_logprobs: dict[Hashable, list[TokenLogprob]] | None = None,
     ) -> int:
         """Send each row its tokens (``emitted`` in the order of ``stats``' rows)
-        with their ``logprobs`` where it asked for them; finish rows at a stop
-        token, stop string or the length limit; free finished rows. Returns how
-        many tokens the rows output (a row's last round may commit tokens past
-        its end, which are not output)."""
+        with their ``logprobs`` (and on a first delivery ``prompt_logprobs``) where
+        it asked for them; finish rows at a stop token, stop string or the length
+        limit; free finished rows. Returns how many tokens the rows output (a row's
+        last round may commit tokens past its end, which are not output)."""
+        prompt_logprobs = prompt_logprobs or {}
         done, output = [], 0
         committed = dict(zip(emitted, stats.committed, strict=True)) if stats else {}
         for key, tokens in emitted.items():
@@ -516,7 +523,19 @@ class NativeEngine:
             if job.text.stopped:
                 finish = "stop"
             scores = tuple(logprobs.get(key, ())[: len(kept)])
-            job.send(Delta(text, tuple(kept), finish, len(job.request.prompt_ids), job.generated, job.spec, scores))
+            prompt_scores = tuple(prompt_logprobs.get(key, ()))
+            job.send(
+                Delta(
+                    text,
+                    tuple(kept),
+                    finish,
+                    len(job.request.prompt_ids),
+                    job.generated,
+                    job.spec,
+                    scores,
+                    prompt_scores,
+                )
+            )
             if finish is not None:
                 done.append(key)
         self._finish(done)

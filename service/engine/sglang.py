@@ -258,7 +258,7 @@ class SGLangEngine:
             raise EngineStoppedError("the server is shutting down")
         if not request.prompt_ids or request.max_tokens < 1:
             raise InvalidRequestError("the prompt is empty or max_tokens < 1")
-        if request.sampling.logprobs is not None:
+        if request.sampling.logprobs is not None or request.sampling.prompt_logprobs is not None:
             raise InvalidRequestError("logprobs need the native engine (--engine native)", param="logprobs")
         check_fits(request, self._context_length, self._max_block_size)
         if len(self._in_flight) >= self.capacity:

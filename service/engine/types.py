@@ -96,6 +96,9 @@ class Delta:
     spec: SpecStats = field(default_factory=SpecStats)
     logprobs: tuple[TokenLogprob, ...] = ()
     """Per token of ``token_ids`` when the request asked (``SamplingParams.logprobs``)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """On a request's first delta, per prompt token after the first, when it asked
+    (``SamplingParams.prompt_logprobs``)."""
 
 
 @dataclass(frozen=True)
