@@ -347,3 +347,43 @@ def test_a_call_s_many_choices_share_the_batch_with_a_later_call(pair):
     requests = [*(GenerateRequest(f"a{i}", prompt, 24, group="a") for i in range(4)), GenerateRequest("b", prompt, 24)]
     finished = [key for key, _ in run_queued(engine, requests)]
     assert set(finished[:2]) == {"a0", "b"} and sorted(finished[2:]) == ["a1", "a2", "a3"]
+
+
+def test_a_scored_prompt_is_prefilled_apart_from_the_others(pair):
+    """Requests queued together, two asking for their prompts' log-probabilities
+    (an echo's) and two not: the two kinds never share a prefill forward (the
+    scored one computes the LM head at every position, which would slow the
+    others' first token), every request decodes the target's greedy tokens, and
+    only the scored ones get their prompts' log-probabilities."""
+    target, draft, tokenizer = pair
+    engine = NativeEngine(target, draft, tokenizer, NativeEngineConfig(max_batch_size=4, policy=BlockPolicy.fixed(4)))
+    forwards = []
+    original = engine.session.add
+
+    def add(keys, prompt_ids, sampling):
+        forwards.append({s.prompt_logprobs is not None for s in sampling})
+        return original(keys, prompt_ids, sampling)
+
+    engine.session.add = add
+    queued = prompts(4)
+    scoring = SamplingParams(prompt_logprobs=1)
+    requests = [GenerateRequest(f"r{i}", p, 5, scoring if i % 2 else SamplingParams()) for i, p in enumerate(queued)]
+
+    async def main():
+        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
+        for _ in range(6000):
+            if engine.stats().waiting == len(requests):
+                break
+            await asyncio.sleep(0.01)
+        engine.start()
+        return await asyncio.gather(*calls)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert sorted(map(sorted, forwards)) == [[False], [True]]
+    for (deltas, ids, _), request in zip(results, requests, strict=True):
+        assert ids == greedy(target, request.prompt_ids, 5)
+        scored = [s.token for s in deltas[0].prompt_logprobs]
+        assert scored == (list(request.prompt_ids[1:]) if request.sampling.prompt_logprobs is not None else [])
