@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_engine import collect, greedy, prompts, run, run_queued
+from test_engine import collect, collect_queued, greedy, prompts, run, run_queued
 
 from service.engine import GenerateRequest, NativeEngine, NativeEngineConfig
 from speculative.policy import BlockPolicy
@@ -225,17 +225,7 @@ def test_a_chunked_prefill_scores_the_prompt_for_the_requests_that_ask(pair):
         GenerateRequest("b", LONG, 6, scoring, group="call"),
         GenerateRequest("c", LONG, 6),
     ]
-
-    async def main():
-        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
-        await until(lambda: engine.stats().waiting == len(requests))
-        engine.start()
-        return await asyncio.gather(*calls)
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        engine.stop()
+    results = collect_queued(engine, requests)
     assert sorted(chunks) == sorted([0, 8, 16, 24, 32] * 2)  # one prefill for a and b, one for c
     with torch.no_grad():
         reference = torch.log_softmax(target.model(torch.tensor([LONG])).logits[0, :-1].float(), dim=-1)

@@ -45,14 +45,16 @@ def run(engine, coro):
         engine.stop()
 
 
-def run_queued(engine, requests) -> list[tuple[str, list[int]]]:
+def collect_queued(engine, requests, finished: list[str] | None = None) -> list:
     """Queue every request before the scheduler starts (its admission then
-    sees them all at once), run them; (request id, token ids) in finishing order."""
-    finished = []
+    sees them all at once), run them; each one's ``collect`` result, in
+    request order. ``finished`` gets the request ids in finishing order."""
 
     async def one(request):
-        _, ids, _ = await collect(engine, request)
-        finished.append((request.request_id, ids))
+        result = await collect(engine, request)
+        if finished is not None:
+            finished.append(request.request_id)
+        return result
 
     async def main():
         calls = [asyncio.create_task(one(r)) for r in requests]
@@ -61,13 +63,19 @@ def run_queued(engine, requests) -> list[tuple[str, list[int]]]:
                 break
             await asyncio.sleep(0.01)
         engine.start()
-        await asyncio.gather(*calls)
+        return await asyncio.gather(*calls)
 
     try:
-        asyncio.run(main())
+        return asyncio.run(main())
     finally:
         engine.stop()
-    return finished
+
+
+def run_queued(engine, requests) -> list[tuple[str, list[int]]]:
+    """``collect_queued``'s (request id, token ids) in finishing order."""
+    finished: list[str] = []
+    results = dict(zip((r.request_id for r in requests), collect_queued(engine, requests, finished), strict=True))
+    return [(key, results[key][1]) for key in finished]
 
 
 @pytest.mark.parametrize(("branches", "lookup"), [(1, 0), (4, 0), (4, 6)])
@@ -368,20 +376,7 @@ def test_a_scored_prompt_is_prefilled_apart_from_the_others(pair):
     queued = prompts(4)
     scoring = SamplingParams(prompt_logprobs=1)
     requests = [GenerateRequest(f"r{i}", p, 5, scoring if i % 2 else SamplingParams()) for i, p in enumerate(queued)]
-
-    async def main():
-        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
-        for _ in range(6000):
-            if engine.stats().waiting == len(requests):
-                break
-            await asyncio.sleep(0.01)
-        engine.start()
-        return await asyncio.gather(*calls)
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        engine.stop()
+    results = collect_queued(engine, requests)
     assert sorted(map(sorted, forwards)) == [[False], [True]]
     for (deltas, ids, _), request in zip(results, requests, strict=True):
         assert ids == greedy(target, request.prompt_ids, 5)
