@@ -380,12 +380,14 @@ class NativeEngine:
         otherwise pay for in their time to first token. The others go first: the
         scored ones then wait about as long as in one forward with them."""
         chunk = self.config.prefill_chunk
-        long = [j for j in jobs if chunk and len(j.request.prompt_ids) > chunk]
-        for job in long:
-            self._start_chunked(job)
-        short = [j for j in jobs if j not in long]
-        scoring = [j for j in short if j.request.sampling.prompt_logprobs is not None]
-        for group in ([j for j in short if j not in scoring], scoring):
+        plain: list[_Job] = []
+        scoring: list[_Job] = []
+        for job in jobs:
+            if chunk and len(job.request.prompt_ids) > chunk:
+                self._start_chunked(job)
+            else:
+                (plain if job.request.sampling.prompt_logprobs is None else scoring).append(job)
+        for group in (plain, scoring):
             if group:
                 self._prefill_together(group)
 
