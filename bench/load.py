@@ -8,9 +8,11 @@ reports (``speculative`` field of the usage chunk; absent on other servers),
 and the achieved speedup over plain decoding the server's step counters show
 for the level (``service.metrics``; absent on servers without them).
 ``--long-prompt-words N``: beside each level's requests, one more client sends
-requests with an N-word prompt back to back (16 tokens each), and the level
-reports the longest gap the other streams saw and those requests' TTFT: what
-one long prompt's prefill costs everyone else.
+requests with an N-word prompt back to back (``--long-max-tokens`` each, 16 by
+default), and the level reports the longest gap the other streams saw and those
+requests' TTFT: what one long prompt's prefill costs everyone else. With more
+tokens the long request also decodes beside the others: what its long context
+costs their steps.
 A human table, then one JSON line.
 """
 
@@ -84,6 +86,7 @@ class LevelResult:
             summary["long_requests"] = len(self.long_results)
             summary["long_prompt_tokens"] = max(r.prompt_tokens for r in self.long_results)
             summary["long_ttft_p50_s"] = percentile(sorted(r.ttft for r in self.long_results), 50)
+            summary["long_output_tokens"] = sum(r.tokens for r in self.long_results)
         return summary
 
 
@@ -152,10 +155,12 @@ async def run_level(
     temperature: float,
     penalty: float = 1.0,
     long_prompt: str | None = None,
+    long_max_tokens: int = 16,
 ) -> LevelResult:
     """Send every prompt with at most ``concurrency`` requests in flight; with
-    ``long_prompt``, one more client sends it back to back meanwhile (its
-    requests are reported apart and left out of the level's time)."""
+    ``long_prompt``, one more client sends it back to back meanwhile, for
+    ``long_max_tokens`` each (its requests are reported apart and left out of
+    the level's time)."""
     gate = asyncio.Semaphore(concurrency)
     done = asyncio.Event()
 
@@ -166,7 +171,7 @@ async def run_level(
     async def long_requests(prompt: str) -> list[RequestResult]:
         results = []
         while not done.is_set():
-            results.append(await one_request(client, model, prompt, LONG_PROMPT_MAX_TOKENS, temperature))
+            results.append(await one_request(client, model, prompt, long_max_tokens, temperature))
         return results
 
     side = asyncio.create_task(long_requests(long_prompt)) if long_prompt else None
@@ -176,9 +181,6 @@ async def run_level(
     done.set()
     level.long_results = await side if side else []
     return level
-
-
-LONG_PROMPT_MAX_TOKENS = 16
 
 
 def long_prompt(texts: list[str], words: int) -> str:
@@ -261,7 +263,15 @@ async def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
         before = await asyncio.to_thread(scrape_speedup_counters, args.url)
         long = long_prompt(texts, args.long_prompt_words) if args.long_prompt_words else None
         level = await run_level(
-            client, model, prompts, concurrency, args.max_tokens, args.temperature, args.repetition_penalty, long
+            client,
+            model,
+            prompts,
+            concurrency,
+            args.max_tokens,
+            args.temperature,
+            args.repetition_penalty,
+            long,
+            args.long_max_tokens,
         )
         level.achieved_speedup = level_speedup(before, await asyncio.to_thread(scrape_speedup_counters, args.url))
         summaries.append({**level.summary(), "mode": "http"})
@@ -282,8 +292,8 @@ def print_row(s: dict[str, Any]) -> None:
     )
     if "long_requests" in s:
         print(
-            f"{'':<13} + {s['long_requests']} long-prompt requests ({s['long_prompt_tokens']} prompt tokens): "
-            f"TTFT p50 {s['long_ttft_p50_s'] * 1000:.0f} ms",
+            f"{'':<13} + {s['long_requests']} long-prompt requests ({s['long_prompt_tokens']} prompt tokens, "
+            f"{s['long_output_tokens']} output tokens in all): TTFT p50 {s['long_ttft_p50_s'] * 1000:.0f} ms",
             flush=True,
         )
 
@@ -302,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="sent as an extra field when not 1")
     parser.add_argument(
         "--long-prompt-words", type=int, default=0, help="also send N-word prompts back to back during each level"
+    )
+    parser.add_argument(
+        "--long-max-tokens", type=int, default=16, help="tokens each long-prompt request decodes beside the others"
     )
     parser.add_argument("--direct-target", type=Path, help="also run the engine in-process (no HTTP) on this target")
     parser.add_argument("--direct-draft", type=Path, help="draft for --direct-target")

@@ -27,6 +27,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from speculative.masks import RowSpan
+
 GROUPED_SDPA = "grouped_query_sdpa"  # no "flash" in it: transformers reads that as a flash-attention kernel
 
 
@@ -38,11 +40,43 @@ def grouped_query_sdpa(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    row_spans: tuple[RowSpan, ...] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query`` [B, H, q, d],
     ``key``/``value`` [B, kvh, T, d], ``attention_mask`` [B, 1, q, T] additive;
-    returns [B, q, H, d]. Cases it does not improve go to transformers' SDPA."""
+    returns [B, q, H, d]. ``row_spans`` (``speculative.masks.row_spans``, passed
+    through the model's keyword arguments): attend span by span, each from its
+    first key column, so no row reads a longer neighbour's padding."""
+    if row_spans is None:
+        return _grouped_query_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    outputs = [
+        _grouped_query_sdpa(
+            module,
+            query[span.start : span.stop],
+            key[span.start : span.stop, :, span.first_key :],
+            value[span.start : span.stop, :, span.first_key :],
+            None if attention_mask is None else attention_mask[span.start : span.stop, ..., span.first_key :],
+            dropout,
+            scaling,
+            **kwargs,
+        )[0]
+        for span in row_spans
+    ]
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0], None
+
+
+def _grouped_query_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """One call; cases the grouping does not improve go to transformers' SDPA."""
     groups = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, length, dim = query.shape
     # Only a mask shared by all heads ([B, 1, q, T]) can be repeated along the grouped rows.

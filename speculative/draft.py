@@ -30,7 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from speculative.config import DFlashConfig, LayerAttention
-from speculative.masks import attention_allowed
+from speculative.masks import RowSpan, attention_allowed, row_spans
 from speculative.ngram_table import NgramTable
 from speculative.packed import pack_linears, pack_weight, packed_linear, packing_support
 from speculative.target import TargetModel
@@ -87,6 +87,7 @@ class DraftAttention(nn.Module):
         context_k: torch.Tensor,
         context_v: torch.Tensor,
         mask: torch.Tensor,
+        spans: tuple[RowSpan, ...] | None = None,
     ) -> torch.Tensor:
         batch, q_len, _ = x.shape
         heads = (batch, q_len, -1, self.head_dim)
@@ -95,10 +96,16 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(heads).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # The block's own K/V are used for this forward only and never cached.
-        keys = torch.cat([context_k, k], dim=2)
-        values = torch.cat([context_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # The block's own K/V are used for this forward only and never cached. Span by span
+        # (``speculative.masks.row_spans``), no row reads or copies a longer neighbour's padding.
+        outputs = []
+        for span in spans or (RowSpan(0, batch, 0),):
+            rows, first = slice(span.start, span.stop), span.first_key
+            keys = torch.cat([context_k[rows, :, first:], k[rows]], dim=2)
+            values = torch.cat([context_v[rows, :, first:], v[rows]], dim=2)
+            masked = mask[rows, ..., first:]
+            outputs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=masked, enable_gqa=True))
+        out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         return projected
 
@@ -121,8 +128,9 @@ class DraftLayer(nn.Module):
         context_k: torch.Tensor,
         context_v: torch.Tensor,
         mask: torch.Tensor,
+        spans: tuple[RowSpan, ...] | None = None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, context_k, context_v, mask)
+        h = h + self.self_attn(self.input_layernorm(h), rope, context_k, context_v, mask, spans)
         out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
         return out
 
@@ -338,7 +346,7 @@ class DFlashDraftModel(nn.Module):
         """
         rope = self.rope(block_embeddings, block_positions)
         key_positions = torch.cat([context_positions, block_positions], dim=1)
-        masks: dict[LayerAttention, torch.Tensor] = {}
+        masks: dict[LayerAttention, tuple[torch.Tensor, tuple[RowSpan, ...] | None]] = {}
         h = block_embeddings
         for layer, (k, v) in zip(self.draft_layers(), context, strict=True):
             attention = layer.self_attn.attention
@@ -346,8 +354,11 @@ class DFlashDraftModel(nn.Module):
                 allowed = attention_allowed(
                     block_positions, key_positions, causal=attention.causal, window=attention.window
                 )
-                masks[attention] = (allowed if visible is None else allowed & visible).unsqueeze(1)
-            h = layer(h, rope, k, v, masks[attention])
+                allowed = allowed if visible is None else allowed & visible
+                spans = row_spans(allowed, block_positions, context_positions.shape[1])
+                masks[attention] = (allowed.unsqueeze(1), spans)
+            mask, spans = masks[attention]
+            h = layer(h, rope, k, v, mask, spans)
         normed: torch.Tensor = self.norm(h)
         return normed
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from speculative.attention import use_grouped_attention
 from speculative.cache import growing_cache
-from speculative.masks import additive_mask, attention_allowed
+from speculative.masks import additive_mask, attention_allowed, row_spans
 from speculative.packed import pack_linears, packing_support
 
 
@@ -202,8 +202,11 @@ class TargetModel:
                 visible[:, :, cache_positions.shape[1] :] &= block_visible
             return visible
 
-        full = additive_mask(allowed(), self.dtype)
+        visible = allowed()
+        full = additive_mask(visible, self.dtype)
         mask: torch.Tensor | dict[str, torch.Tensor] = full
+        # A sliding window sees a subset of the full mask's keys, so the full mask's spans hold for both.
+        spans = row_spans(visible, positions, cache_positions.shape[1]) if self.grouped_attention else None
         if "sliding_attention" in self._layer_types:
             sliding = additive_mask(allowed(self._sliding_window), self.dtype)
             mask = {"full_attention": full, "sliding_attention": sliding}
@@ -216,6 +219,7 @@ class TargetModel:
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                **({"row_spans": spans} if spans is not None else {}),
             )
             captured = self._local.captured
         finally:

@@ -509,12 +509,12 @@ def test_load_sweep_against_the_live_server(server, capsys):
 def test_load_sweep_reports_what_long_prompts_cost_the_other_streams(server, capsys):
     from bench.load import main as load
 
-    load(
-        ["--url", server[0], "--concurrency", "1", "--requests", "2", "--max-tokens", "24", "--long-prompt-words", "60"]
-    )
+    level_args = ["--concurrency", "1", "--requests", "2", "--max-tokens", "24"]
+    load(["--url", server[0], *level_args, "--long-prompt-words", "60", "--long-max-tokens", "5"])
     lines = capsys.readouterr().out.strip().splitlines()
     (level,) = json.loads(lines[-1])["levels"]
     assert level["requests"] == 2 and level["long_requests"] >= 1
+    assert 0 < level["long_output_tokens"] <= 5 * level["long_requests"]
     assert level["long_prompt_tokens"] > 60 and level["long_ttft_p50_s"] > 0
     assert level["itl_max_s"] >= level["itl_p99_s"] > 0
     assert "long-prompt requests" in lines[-2]

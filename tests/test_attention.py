@@ -3,20 +3,26 @@ import torch
 from builders import random_prompts, target_config, tiny_target
 from transformers import LlamaForCausalLM
 
+import speculative.attention
 from speculative.attention import GROUPED_SDPA
+from speculative.masks import RowSpan, attention_allowed, row_spans
 from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
 from speculative.target import TargetModel
 from speculative.tree import DraftTree
 
 
-def _verify_logits(target: TargetModel, prompts: list[list[int]], tree: DraftTree) -> torch.Tensor:
-    """Prefill ``prompts`` as one left-padded batch (``DecodeSession.add``), then verify one tree block per row."""
+def _verify_logits(
+    target: TargetModel, prompts: list[list[int]], tree: DraftTree, block: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Prefill ``prompts`` as one left-padded batch (``DecodeSession.add``), then verify one tree block per row
+    (``block`` [B, width], random when not given)."""
     session = DecodeSession(target)
     session.add(list(range(len(prompts))), prompts, [SamplingParams()] * len(prompts))
     batch = session.batch
-    shape, seeded = (len(prompts), tree.width), torch.Generator().manual_seed(1)
-    block = torch.randint(0, target.vocab_size, shape, generator=seeded)
+    if block is None:
+        shape, seeded = (len(prompts), tree.width), torch.Generator().manual_seed(1)
+        block = torch.randint(0, target.vocab_size, shape, generator=seeded)
     positions = batch.lengths[:, None] + tree.depths(block.device)
     with torch.inference_mode():
         return target.forward(
@@ -54,3 +60,67 @@ def test_models_without_grouped_heads_score_as_before():
     grouped = _verify_logits(target, prompts, tree)
     target.model.set_attn_implementation("sdpa")
     torch.testing.assert_close(grouped, _verify_logits(target, prompts, tree), rtol=0, atol=0)
+
+
+def _spans(cached: list[int], lengths: list[int], q: int = 1, call_keys: int = 8):
+    """Spans of a batch whose row i holds ``lengths[i]`` committed tokens right-aligned in ``cached`` slots."""
+    slots = max(cached)
+    positions = torch.full((len(lengths), slots), -1)
+    for row, n in enumerate(lengths):
+        positions[row, slots - n :] = torch.arange(n)
+    queries = torch.tensor(lengths)[:, None] + torch.arange(q)
+    keys = torch.cat([positions, queries], dim=1)
+    return row_spans(attention_allowed(queries, keys, causal=True), queries, slots, call_keys)
+
+
+def test_row_spans_cut_the_padding_where_it_pays():
+    # Rows alike: one call over every column.
+    assert _spans([40], [40, 38, 40]) is None
+    # A long first row and three short ones: the short ones attend from their own first column.
+    assert _spans([100], [100, 10, 12, 9]) == (RowSpan(0, 1, 0), RowSpan(1, 4, 88))
+    # The long row in the middle: three runs, the short rows on each side apart.
+    assert _spans([100], [10, 100, 12]) == (RowSpan(0, 1, 90), RowSpan(1, 2, 0), RowSpan(2, 3, 88))
+    # The saving is below one call's cost: no split.
+    assert _spans([100], [100, 95], call_keys=8) is None
+    # Every row padded (the longest one left the batch): one span that skips the common padding.
+    assert _spans([100], [30, 28]) == (RowSpan(0, 2, 70),)
+
+
+def test_row_spans_keep_a_padding_query_its_own_column():
+    """A padding query (position -1) sees only padding keys; only cached columns are cut, so its own stays."""
+    slots = 50
+    positions = torch.full((2, slots), -1)
+    positions[0] = torch.arange(slots)
+    positions[1, -5:] = torch.arange(5)
+    queries = torch.tensor([[50, 51], [-1, 5]])
+    keys = torch.cat([positions, queries], dim=1)
+    allowed = attention_allowed(queries, keys, causal=True)
+    spans = row_spans(allowed, queries, slots, call_keys=8)
+    assert spans == (RowSpan(0, 1, 0), RowSpan(1, 2, 45))
+    assert allowed[1, :, spans[1].first_key :].any(dim=-1).all()  # no empty softmax row
+
+
+@pytest.mark.parametrize("tree", [None, DraftTree.build(4, alternates=2, lookup=3)], ids=["plain", "tree"])
+def test_a_long_row_leaves_its_neighbours_reading_only_their_own_columns(monkeypatch, tree):
+    """Three short prompts after a 300-token one: the short rows' attention
+    reads their own columns only, and every row scores what it scores alone."""
+    target = tiny_target("llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    prompts = random_prompts(1, seed=7, min_len=300, max_len=301) + random_prompts(3, seed=6, min_len=5, max_len=12)
+    tree = tree or DraftTree.build(1)
+    block = torch.randint(0, target.vocab_size, (len(prompts), tree.width), generator=torch.Generator().manual_seed(2))
+    reads = []
+    inner = speculative.attention._grouped_query_sdpa
+
+    def spy(module, query, key, *args, **kwargs):
+        reads.append((query.shape[0], key.shape[2]))
+        return inner(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(speculative.attention, "_grouped_query_sdpa", spy)
+    together = _verify_logits(target, prompts, tree, block)
+    layers = target.num_layers
+    verify_reads = reads[-2 * layers :]  # the verify forward: two spans a layer
+    own = [len(p) + tree.width for p in prompts]
+    assert verify_reads[:2] == [(1, own[0]), (3, max(own[1:]))]
+    for row, prompt in enumerate(prompts):
+        alone = _verify_logits(target, [prompt], tree, block[row : row + 1])
+        torch.testing.assert_close(together[row], alone[0], rtol=1e-5, atol=1e-5)

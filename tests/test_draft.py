@@ -201,3 +201,35 @@ def test_draft_vocabulary_must_agree_with_config_and_target():
         config.check_target(**shape, vocab_size=90, draft_vocab_ids=draft.draft_vocab_ids)
     with pytest.raises(DraftTargetMismatch, match="the config declares 3 ids, the map has None"):
         config.check_target(**shape, vocab_size=VOCAB)
+
+
+@torch.inference_mode()
+def test_a_long_context_row_leaves_its_neighbours_reading_only_their_own_context(monkeypatch):
+    """Draft rows with 500, 6 and 9 context tokens, right-aligned in one padded
+    cache: the short rows' attention reads (and copies) their own context only,
+    and every row drafts what it drafts alone."""
+    draft = tiny_draft(layers=2)
+    lengths, slots, width = [500, 6, 9], 500, 4
+    features = torch.randn(len(lengths), slots, 2 * HIDDEN, generator=torch.Generator().manual_seed(3))
+    positions = torch.full((len(lengths), slots), -1)
+    for row, n in enumerate(lengths):
+        positions[row, slots - n :] = torch.arange(n)
+    context = draft.context_kv(features, positions.clamp(min=0))
+    block_positions = torch.tensor(lengths)[:, None] + torch.arange(width)
+    embeddings = torch.randn(len(lengths), width, HIDDEN, generator=torch.Generator().manual_seed(4))
+    reads = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, *args, **kwargs):
+        reads.append((query.shape[0], key.shape[2]))
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    together = draft(embeddings, block_positions, context, positions)
+    assert reads[:2] == [(1, 500 + width), (2, 9 + width)]
+    for row, n in enumerate(lengths):
+        own = [(k[row : row + 1, :, slots - n :], v[row : row + 1, :, slots - n :]) for k, v in context]
+        alone = draft(
+            embeddings[row : row + 1], block_positions[row : row + 1], own, positions[row : row + 1, slots - n :]
+        )
+        torch.testing.assert_close(together[row], alone[0], rtol=1e-5, atol=1e-5)
