@@ -18,6 +18,7 @@ from service.engine import (
     QueueFullError,
 )
 from service.engine.native import decode_threads, usable_cpus
+from speculative.batch import prefill_groups
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
@@ -355,6 +356,40 @@ def test_a_call_s_many_choices_share_the_batch_with_a_later_call(pair):
     requests = [*(GenerateRequest(f"a{i}", prompt, 24, group="a") for i in range(4)), GenerateRequest("b", prompt, 24)]
     finished = [key for key, _ in run_queued(engine, requests)]
     assert set(finished[:2]) == {"a0", "b"} and sorted(finished[2:]) == ["a1", "a2", "a3"]
+
+
+def test_prefill_groups_split_prompts_by_length_where_padding_costs_more_than_a_forward():
+    assert prefill_groups([20, 22, 19], forward_tokens=128) == [[2, 0, 1]]
+    # Three short prompts and a long one: the short ones first, in a forward of their own.
+    assert prefill_groups([250, 16, 12, 16], forward_tokens=128) == [[2, 1, 3], [0]]
+    # Saving 2 x 110 padded tokens does not pay for a second forward at 256.
+    assert prefill_groups([120, 10, 10], forward_tokens=256) == [[1, 2, 0]]
+    assert prefill_groups([5, 5, 5], forward_tokens=0) == [[0, 1, 2]]  # equal lengths never split
+    assert prefill_groups([]) == []
+
+
+def test_short_prompts_admitted_with_a_long_one_are_prefilled_first_and_apart(pair):
+    """A 200-token prompt queued with three short ones: the short ones share a
+    forward of their own, before the long one's, and every request decodes the
+    target's greedy tokens."""
+    target, draft, tokenizer = pair
+    config = NativeEngineConfig(max_batch_size=4, policy=BlockPolicy.fixed(4), prefill_chunk=0)
+    engine = NativeEngine(target, draft, tokenizer, config)
+    forwards = []
+    original = engine.session.add
+
+    def add(keys, prompt_ids, sampling):
+        forwards.append(sorted(keys))
+        return original(keys, prompt_ids, sampling)
+
+    engine.session.add = add
+    long = tuple(10 + (11 * j) % 200 for j in range(200))
+    queued = [long, *prompts(3)]
+    requests = [GenerateRequest(f"r{i}", p, 5) for i, p in enumerate(queued)]
+    results = collect_queued(engine, requests)
+    assert forwards == [["r1", "r2", "r3"], ["r0"]]
+    for (_, ids, _), request in zip(results, requests, strict=True):
+        assert ids == greedy(target, request.prompt_ids, 5)
 
 
 def test_a_scored_prompt_is_prefilled_apart_from_the_others(pair):

@@ -42,6 +42,7 @@ from service.engine.types import (
     check_fits,
 )
 from service.metrics import Metrics
+from speculative.batch import prefill_groups
 from speculative.checkpoint import load_draft
 from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
@@ -378,7 +379,10 @@ class NativeEngine:
         (``prompt_logprobs``, an echo's) are prefilled apart from the others: their
         forward computes the LM head at every position, which the others would
         otherwise pay for in their time to first token. The others go first: the
-        scored ones then wait about as long as in one forward with them."""
+        scored ones then wait about as long as in one forward with them. Within
+        each kind, prompts of very different lengths are prefilled in forwards of
+        their own, shortest first (``prefill_groups``): a short prompt is not
+        padded to a long one's width, and its first token does not wait for it."""
         chunk = self.config.prefill_chunk
         plain: list[_Job] = []
         scoring: list[_Job] = []
@@ -387,9 +391,9 @@ class NativeEngine:
                 self._start_chunked(job)
             else:
                 (plain if job.request.sampling.prompt_logprobs is None else scoring).append(job)
-        for group in (plain, scoring):
-            if group:
-                self._prefill_together(group)
+        for kind in (plain, scoring):
+            for group in prefill_groups([len(job.request.prompt_ids) for job in kind]):
+                self._prefill_together([kind[i] for i in group])
 
     def _prefill_together(self, jobs: list[_Job]) -> None:
         """Prefill ``jobs`` in one forward. One that raises (``add`` changes
