@@ -230,6 +230,7 @@ class DecodeSession:
         self._check_new([], [prompt])
         return PartialPrefill(list(prompt), self._new_batch(1), prompt_logprobs)
 
+    @torch.inference_mode()
     def prefill_chunk(self, part: PartialPrefill, max_tokens: int) -> bool:
         """Run the target over the next ``max_tokens`` tokens of ``part``'s prompt
         (both caches grow as in ``add``'s prefill); True once the prompt is done."""
@@ -249,6 +250,7 @@ class DecodeSession:
         self.prefill_seconds += _clock(self.target.device) - start
         return part.done == len(part.prompt)
 
+    @torch.inference_mode()
     def add_prefilled(
         self, keys: Sequence[Hashable], part: PartialPrefill, sampling: Sequence[SamplingParams]
     ) -> dict[Hashable, int]:
