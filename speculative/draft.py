@@ -346,7 +346,8 @@ class DFlashDraftModel(nn.Module):
         """
         rope = self.rope(block_embeddings, block_positions)
         key_positions = torch.cat([context_positions, block_positions], dim=1)
-        masks: dict[LayerAttention, tuple[torch.Tensor, tuple[RowSpan, ...] | None]] = {}
+        masks: dict[LayerAttention, torch.Tensor] = {}
+        spans = row_spans(context_positions)
         h = block_embeddings
         for layer, (k, v) in zip(self.draft_layers(), context, strict=True):
             attention = layer.self_attn.attention
@@ -354,11 +355,8 @@ class DFlashDraftModel(nn.Module):
                 allowed = attention_allowed(
                     block_positions, key_positions, causal=attention.causal, window=attention.window
                 )
-                allowed = allowed if visible is None else allowed & visible
-                spans = row_spans(allowed, block_positions, context_positions.shape[1])
-                masks[attention] = (allowed.unsqueeze(1), spans)
-            mask, spans = masks[attention]
-            h = layer(h, rope, k, v, mask, spans)
+                masks[attention] = (allowed if visible is None else allowed & visible).unsqueeze(1)
+            h = layer(h, rope, k, v, masks[attention], spans)
         normed: torch.Tensor = self.norm(h)
         return normed
 

@@ -63,28 +63,26 @@ class RowSpan:
     first_key: int
 
 
-def row_spans(
-    allowed: torch.Tensor, query_positions: torch.Tensor, cached: int, call_keys: int = SPAN_CALL_KEYS
-) -> tuple[RowSpan, ...] | None:
+def row_spans(cache_positions: torch.Tensor, call_keys: int = SPAN_CALL_KEYS) -> tuple[RowSpan, ...] | None:
     """How to split a ragged batch's attention so that no row reads a long
     neighbour's padding: contiguous runs of rows, each attending from the
-    first cached column any of its real queries sees (``allowed`` [B, q, K],
-    ``query_positions`` [B, q], the first ``cached`` of the K columns the
-    cache's). None when one call over every column is cheapest.
+    first cached slot any of its rows holds a token in (``cache_positions``
+    [B, T], -1 for ignored slots, which no real query sees). None when one
+    call over every column is cheapest.
 
     The left padding of a short row beside a long one is masked, but attention
     still reads it: a batch of three 200-token rows and one of 1,800 decoded
     plainly at 49 ms a step against 31 ms for four short rows (docs/LOG.md).
     Only cached columns are cut, so a padding query keeps its own column and
-    no softmax row is empty. The split minimises rows x columns read plus
-    ``call_keys`` per span (dynamic programming over contiguous runs)."""
-    if cached == 0:
+    no softmax row is empty. The split minimises rows x cached columns read
+    plus ``call_keys`` per span (dynamic programming over contiguous runs;
+    the new block's columns cost every row alike)."""
+    keys = int(cache_positions.shape[1])
+    if keys == 0:
         return None
-    real = (allowed & (query_positions >= 0).unsqueeze(-1)).any(dim=1)
-    first = real[:, :cached].to(torch.int8).argmax(dim=1)  # the first True; 0 for a row that sees no cached key
-    seen_any = real[:, :cached].any(dim=1)
-    starts = torch.where(seen_any, first, cached).tolist()
-    keys = int(allowed.shape[-1])
+    valid = cache_positions >= 0
+    # The first valid slot (argmax finds the first True); a row with none reads no cached column.
+    starts = torch.where(valid.any(dim=1), valid.to(torch.int8).argmax(dim=1), keys).tolist()
     lowest = min(starts)
     # Splitting row by row could save at most this many columns: not worth a call, so one span (or none).
     if sum(starts) - lowest * len(starts) < call_keys:
@@ -92,7 +90,7 @@ def row_spans(
     # best[j]: cheapest cover of rows :j; cut[j]: where its last span starts.
     best, cut = [0.0] + [float("inf")] * len(starts), [0] * (len(starts) + 1)
     for stop in range(1, len(starts) + 1):
-        first_key = cached
+        first_key = keys
         for start in range(stop - 1, -1, -1):
             first_key = min(first_key, starts[start])
             cost = best[start] + (stop - start) * (keys - first_key) + call_keys

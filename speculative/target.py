@@ -202,11 +202,9 @@ class TargetModel:
                 visible[:, :, cache_positions.shape[1] :] &= block_visible
             return visible
 
-        visible = allowed()
-        full = additive_mask(visible, self.dtype)
+        full = additive_mask(allowed(), self.dtype)
         mask: torch.Tensor | dict[str, torch.Tensor] = full
-        # A sliding window sees a subset of the full mask's keys, so the full mask's spans hold for both.
-        spans = row_spans(visible, positions, cache_positions.shape[1]) if self.grouped_attention else None
+        spans = row_spans(cache_positions) if self.grouped_attention else None
         if "sliding_attention" in self._layer_types:
             sliding = additive_mask(allowed(self._sliding_window), self.dtype)
             mask = {"full_attention": full, "sliding_attention": sliding}

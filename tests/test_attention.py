@@ -5,7 +5,7 @@ from transformers import LlamaForCausalLM
 
 import speculative.attention
 from speculative.attention import GROUPED_SDPA
-from speculative.masks import RowSpan, attention_allowed, row_spans
+from speculative.masks import RowSpan, row_spans
 from speculative.sampling import SamplingParams
 from speculative.session import DecodeSession
 from speculative.target import TargetModel
@@ -62,42 +62,35 @@ def test_models_without_grouped_heads_score_as_before():
     torch.testing.assert_close(grouped, _verify_logits(target, prompts, tree), rtol=0, atol=0)
 
 
-def _spans(cached: list[int], lengths: list[int], q: int = 1, call_keys: int = 8):
-    """Spans of a batch whose row i holds ``lengths[i]`` committed tokens right-aligned in ``cached`` slots."""
-    slots = max(cached)
+def _spans(lengths: list[int], slots: int = 100, call_keys: int = 8):
+    """Spans of a batch whose row i holds ``lengths[i]`` committed tokens right-aligned in ``slots`` slots."""
     positions = torch.full((len(lengths), slots), -1)
     for row, n in enumerate(lengths):
         positions[row, slots - n :] = torch.arange(n)
-    queries = torch.tensor(lengths)[:, None] + torch.arange(q)
-    keys = torch.cat([positions, queries], dim=1)
-    return row_spans(attention_allowed(queries, keys, causal=True), queries, slots, call_keys)
+    return row_spans(positions, call_keys)
 
 
 def test_row_spans_cut_the_padding_where_it_pays():
     # Rows alike: one call over every column.
-    assert _spans([40], [40, 38, 40]) is None
+    assert _spans([40, 38, 40], slots=40) is None
     # A long first row and three short ones: the short ones attend from their own first column.
-    assert _spans([100], [100, 10, 12, 9]) == (RowSpan(0, 1, 0), RowSpan(1, 4, 88))
+    assert _spans([100, 10, 12, 9]) == (RowSpan(0, 1, 0), RowSpan(1, 4, 88))
     # The long row in the middle: three runs, the short rows on each side apart.
-    assert _spans([100], [10, 100, 12]) == (RowSpan(0, 1, 90), RowSpan(1, 2, 0), RowSpan(2, 3, 88))
+    assert _spans([10, 100, 12]) == (RowSpan(0, 1, 90), RowSpan(1, 2, 0), RowSpan(2, 3, 88))
     # The saving is below one call's cost: no split.
-    assert _spans([100], [100, 95], call_keys=8) is None
+    assert _spans([100, 95], call_keys=8) is None
     # Every row padded (the longest one left the batch): one span that skips the common padding.
-    assert _spans([100], [30, 28]) == (RowSpan(0, 2, 70),)
+    assert _spans([30, 28]) == (RowSpan(0, 2, 70),)
 
 
-def test_row_spans_keep_a_padding_query_its_own_column():
-    """A padding query (position -1) sees only padding keys; only cached columns are cut, so its own stays."""
-    slots = 50
-    positions = torch.full((2, slots), -1)
-    positions[0] = torch.arange(slots)
-    positions[1, -5:] = torch.arange(5)
-    queries = torch.tensor([[50, 51], [-1, 5]])
-    keys = torch.cat([positions, queries], dim=1)
-    allowed = attention_allowed(queries, keys, causal=True)
-    spans = row_spans(allowed, queries, slots, call_keys=8)
-    assert spans == (RowSpan(0, 1, 0), RowSpan(1, 2, 45))
-    assert allowed[1, :, spans[1].first_key :].any(dim=-1).all()  # no empty softmax row
+def test_row_spans_start_at_each_row_s_first_token_and_skip_rows_that_hold_none():
+    positions = torch.full((3, 60), -1)
+    positions[0] = torch.arange(60)
+    positions[1, 50:] = torch.arange(10)
+    positions[1, 55] = -1  # a rejected draft inside the row: no cut there
+    # Row 2 holds no token: its span reads no cached column at all.
+    assert row_spans(positions, call_keys=8) == (RowSpan(0, 1, 0), RowSpan(1, 2, 50), RowSpan(2, 3, 60))
+    assert row_spans(positions[:, :0]) is None
 
 
 @pytest.mark.parametrize("tree", [None, DraftTree.build(4, alternates=2, lookup=3)], ids=["plain", "tree"])
