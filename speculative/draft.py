@@ -347,7 +347,7 @@ class DFlashDraftModel(nn.Module):
         rope = self.rope(block_embeddings, block_positions)
         key_positions = torch.cat([context_positions, block_positions], dim=1)
         masks: dict[LayerAttention, torch.Tensor] = {}
-        spans = row_spans(context_positions)
+        spans = row_spans(context_positions) if context_positions.device.type == "cpu" else None
         h = block_embeddings
         for layer, (k, v) in zip(self.draft_layers(), context, strict=True):
             attention = layer.self_attn.attention

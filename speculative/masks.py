@@ -76,7 +76,10 @@ def row_spans(cache_positions: torch.Tensor, call_keys: int = SPAN_CALL_KEYS) ->
     Only cached columns are cut, so a padding query keeps its own column and
     no softmax row is empty. The split minimises rows x cached columns read
     plus ``call_keys`` per span (dynamic programming over contiguous runs;
-    the new block's columns cost every row alike)."""
+    the new block's columns cost every row alike). For CPUs: on a GPU a padded
+    column costs little against one more kernel launch per layer, and reading
+    the starts would make the host wait for the device every forward, so the
+    models use spans on CPUs only."""
     keys = int(cache_positions.shape[1])
     if keys == 0:
         return None
