@@ -35,6 +35,12 @@ class ServeSettings(BaseSettings):
         default=0, ge=0, description="CPU: intra-op threads for decoding; 0: the usable CPUs less one (at least 1)"
     )
     max_batch_size: int = Field(default=16, ge=1, description="requests decoded together")
+    max_batch_slots: int = Field(
+        default=16384,
+        ge=0,
+        description="native engine: admit a request only while the batch, padded to its longest row, holds at most "
+        "this many cache slots with it (rows x longest row; a lone request always fits; 0: no limit)",
+    )
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")
     branches: int = Field(

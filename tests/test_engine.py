@@ -392,6 +392,40 @@ def test_short_prompts_admitted_with_a_long_one_are_prefilled_first_and_apart(pa
         assert ids == greedy(target, request.prompt_ids, 5)
 
 
+@pytest.mark.parametrize("budget", [0, 250])
+def test_a_request_that_would_pad_the_batch_past_its_slots_waits(pair, budget):
+    """Two short requests and a 200-token one queued together, ``max_batch_slots``
+    250: three rows padded to 200 tokens would hold 600 slots, so the long one is
+    prefilled only once the short ones have left (without a budget it joins
+    them); everyone decodes the target's greedy tokens."""
+    target, draft, tokenizer = pair
+    config = NativeEngineConfig(max_batch_size=4, policy=BlockPolicy.fixed(4), prefill_chunk=0, max_batch_slots=budget)
+    engine = NativeEngine(target, draft, tokenizer, config)
+    rows_at_add = {}
+    original = engine.session.add
+
+    def add(keys, prompt_ids, sampling):
+        rows_at_add.update(dict.fromkeys(keys, len(engine.session)))
+        return original(keys, prompt_ids, sampling)
+
+    engine.session.add = add
+    long = tuple(10 + (11 * j) % 200 for j in range(200))
+    requests = [GenerateRequest(f"r{i}", p, 5) for i, p in enumerate([*prompts(2), long])]
+    results = collect_queued(engine, requests)
+    assert rows_at_add == {"r0": 0, "r1": 0, "r2": 0 if budget else 2}
+    for (_, ids, _), request in zip(results, requests, strict=True):
+        assert ids == greedy(target, request.prompt_ids, 5)
+
+
+def test_a_lone_request_fits_any_slot_budget(pair):
+    target, draft, tokenizer = pair
+    config = NativeEngineConfig(max_batch_size=4, policy=BlockPolicy.fixed(4), prefill_chunk=0, max_batch_slots=1)
+    ((_, ids, _),) = collect_queued(
+        NativeEngine(target, draft, tokenizer, config), [GenerateRequest("r", prompts(1)[0], 5)]
+    )
+    assert ids == greedy(target, prompts(1)[0], 5)
+
+
 def test_a_scored_prompt_is_prefilled_apart_from_the_others(pair):
     """Requests queued together, two asking for their prompts' log-probabilities
     (an echo's) and two not: the two kinds never share a prefill forward (the

@@ -75,7 +75,14 @@ class NativeEngineConfig:
     continued from the draft's n-gram table with ``lookup_table``.
     ``prefill_chunk``: a prompt longer than this many tokens is prefilled
     that many at a time, one chunk between two steps, so it stalls the
-    running streams for a chunk at a time (0: whole prompts)."""
+    running streams for a chunk at a time (0: whole prompts).
+    ``max_batch_slots``: the batch's caches are padded to its longest row, so
+    they hold rows x longest-row slots; a waiting request is admitted only
+    while that, with it, stays within this many (a lone request always is; 0:
+    no limit). Sixteen rows beside one of 7,800 tokens peaked at 7.4 GB on
+    SmolLM2 (docs/LOG.md), past the CPU pod's 4 GiB limit: one long request
+    would have had every request killed with the pod. Rows grow as they
+    decode, so it is a bound at admission, not a hard cap."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -88,13 +95,21 @@ class NativeEngineConfig:
     lookup: int = 0
     lookup_table: bool = True
     prefill_chunk: int = 256
+    max_batch_slots: int = 0
 
     def __post_init__(self) -> None:
-        counts = self.max_waiting, self.plain_reference_every, self.threads, self.lookup, self.prefill_chunk
+        counts = (
+            self.max_waiting,
+            self.plain_reference_every,
+            self.threads,
+            self.lookup,
+            self.prefill_chunk,
+            self.max_batch_slots,
+        )
         if min(self.max_batch_size, self.branches) < 1 or min(counts) < 0:
             raise ValueError(
                 "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every, threads, lookup "
-                "and prefill_chunk >= 0"
+                "prefill_chunk and max_batch_slots >= 0"
             )
 
 
@@ -212,6 +227,7 @@ class NativeEngine:
             lookup=settings.lookup,
             lookup_table=settings.lookup_table,
             prefill_chunk=settings.prefill_chunk_tokens,
+            max_batch_slots=settings.max_batch_slots,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step, on_prefill=metrics.observe_prefill)
 
@@ -357,21 +373,33 @@ class NativeEngine:
         waiting request whose group (``GenerateRequest.group``: one API call's
         choices) has the fewest requests in the batch, the earliest on ties: a
         call's many choices share the batch with later calls instead of holding
-        it until they finish. With single-request groups: first come, first served."""
+        it until they finish. With single-request groups: first come, first served.
+        The next request waits while admitting it would pad the batch's caches
+        beyond ``max_batch_slots`` (``_within_slots``)."""
         free = self.config.max_batch_size - len(self._running) - len(self._chunking)
         batch = [*self._running.values(), *(job for job, _ in self._chunking)]
         in_batch = collections.Counter(job.request.group_key for job in batch)
+        widths = [len(job.request.prompt_ids) + job.generated for job in batch]
         admitted = []
         while self._waiting and free > 0:
             job = min(self._waiting, key=lambda waiting: in_batch[waiting.request.group_key])
+            if not job.aborted and not self._within_slots([*widths, len(job.request.prompt_ids)]):
+                break
             self._waiting.remove(job)
             if job.aborted:
                 job.send(Delta("", (), "abort"))
                 continue
+            widths.append(len(job.request.prompt_ids))
             admitted.append(job)
             in_batch[job.request.group_key] += 1
             free -= 1
         return admitted
+
+    def _within_slots(self, widths: list[int]) -> bool:
+        """Whether rows of these committed lengths, padded to the longest, fit
+        ``max_batch_slots`` (a lone row always does)."""
+        budget = self.config.max_batch_slots
+        return not budget or len(widths) == 1 or len(widths) * max(widths) <= budget
 
     def _prefill(self, jobs: list[_Job]) -> None:
         """Prefill ``jobs``; prompts longer than ``prefill_chunk`` go to
