@@ -27,7 +27,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from speculative.masks import RowSpan
+from speculative.masks import RowSpan, by_spans
 
 GROUPED_SDPA = "grouped_query_sdpa"  # no "flash" in it: transformers reads that as a flash-attention kernel
 
@@ -48,22 +48,14 @@ def grouped_query_sdpa(
     returns [B, q, H, d]. ``row_spans`` (``speculative.masks.row_spans``, passed
     through the model's keyword arguments): attend span by span, each from its
     first key column, so no row reads a longer neighbour's padding."""
-    if row_spans is None:
-        return _grouped_query_sdpa(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    outputs = [
-        _grouped_query_sdpa(
-            module,
-            query[span.start : span.stop],
-            key[span.start : span.stop, :, span.first_key :],
-            value[span.start : span.stop, :, span.first_key :],
-            None if attention_mask is None else attention_mask[span.start : span.stop, ..., span.first_key :],
-            dropout,
-            scaling,
-            **kwargs,
+
+    def attend(rows: slice, first: int) -> torch.Tensor:
+        mask = None if attention_mask is None else attention_mask[rows, ..., first:]
+        return _grouped_query_sdpa(
+            module, query[rows], key[rows, :, first:], value[rows, :, first:], mask, dropout, scaling, **kwargs
         )[0]
-        for span in row_spans
-    ]
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0], None
+
+    return by_spans(row_spans, query.shape[0], attend), None
 
 
 def _grouped_query_sdpa(

@@ -30,7 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from speculative.config import DFlashConfig, LayerAttention
-from speculative.masks import RowSpan, attention_allowed, row_spans
+from speculative.masks import RowSpan, attention_allowed, by_spans, row_spans
 from speculative.ngram_table import NgramTable
 from speculative.packed import pack_linears, pack_weight, packed_linear, packing_support
 from speculative.target import TargetModel
@@ -96,16 +96,16 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(heads).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+
         # The block's own K/V are used for this forward only and never cached. Span by span
         # (``speculative.masks.row_spans``), no row reads or copies a longer neighbour's padding.
-        outputs = []
-        for span in spans or (RowSpan(0, batch, 0),):
-            rows, first = slice(span.start, span.stop), span.first_key
+        def attend(rows: slice, first: int) -> torch.Tensor:
             keys = torch.cat([context_k[rows, :, first:], k[rows]], dim=2)
             values = torch.cat([context_v[rows, :, first:], v[rows]], dim=2)
             masked = mask[rows, ..., first:]
-            outputs.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=masked, enable_gqa=True))
-        out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            return F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=masked, enable_gqa=True)
+
+        out = by_spans(spans, batch, attend)
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
         return projected
 
@@ -347,7 +347,7 @@ class DFlashDraftModel(nn.Module):
         rope = self.rope(block_embeddings, block_positions)
         key_positions = torch.cat([context_positions, block_positions], dim=1)
         masks: dict[LayerAttention, torch.Tensor] = {}
-        spans = row_spans(context_positions) if context_positions.device.type == "cpu" else None
+        spans = row_spans(context_positions)
         h = block_embeddings
         for layer, (k, v) in zip(self.draft_layers(), context, strict=True):
             attention = layer.self_attn.attention

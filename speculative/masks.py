@@ -8,6 +8,7 @@ numbers of committed tokens in the same cache tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,12 +77,11 @@ def row_spans(cache_positions: torch.Tensor, call_keys: int = SPAN_CALL_KEYS) ->
     Only cached columns are cut, so a padding query keeps its own column and
     no softmax row is empty. The split minimises rows x cached columns read
     plus ``call_keys`` per span (dynamic programming over contiguous runs;
-    the new block's columns cost every row alike). For CPUs: on a GPU a padded
-    column costs little against one more kernel launch per layer, and reading
-    the starts would make the host wait for the device every forward, so the
-    models use spans on CPUs only."""
+    the new block's columns cost every row alike). None off CPUs: on a GPU a
+    padded column costs little against one more kernel launch per layer, and
+    reading the starts would make the host wait for the device every forward."""
     keys = int(cache_positions.shape[1])
-    if keys == 0:
+    if keys == 0 or cache_positions.device.type != "cpu":
         return None
     valid = cache_positions >= 0
     # The first valid slot (argmax finds the first True); a row with none reads no cached column.
@@ -105,3 +105,12 @@ def row_spans(cache_positions: torch.Tensor, call_keys: int = SPAN_CALL_KEYS) ->
         spans.append(RowSpan(start, stop, min(starts[start:stop])))
         stop = start
     return tuple(reversed(spans))
+
+
+def by_spans(
+    spans: tuple[RowSpan, ...] | None, batch: int, attend: Callable[[slice, int], torch.Tensor]
+) -> torch.Tensor:
+    """``attend(rows, first_key)`` for each span (one call over every row and
+    column without spans), the outputs concatenated along the batch."""
+    outputs = [attend(slice(span.start, span.stop), span.first_key) for span in spans or (RowSpan(0, batch, 0),)]
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -204,7 +204,7 @@ class TargetModel:
 
         full = additive_mask(allowed(), self.dtype)
         mask: torch.Tensor | dict[str, torch.Tensor] = full
-        spans = row_spans(cache_positions) if self.grouped_attention and cache_positions.device.type == "cpu" else None
+        spans = row_spans(cache_positions) if self.grouped_attention else None
         if "sliding_attention" in self._layer_types:
             sliding = additive_mask(allowed(self._sliding_window), self.dtype)
             mask = {"full_attention": full, "sliding_attention": sliding}
