@@ -79,6 +79,12 @@ class ServeSettings(BaseSettings):
         description="native engine: while requests decode, prefill a longer prompt this many tokens at a time "
         "between their steps; 0: whole prompts",
     )
+    release_memory_after_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="native engine: once idle this many seconds after work, give the memory freed by finished "
+        "requests back to the OS (glibc's malloc_trim); 0: keep it for reuse",
+    )
     sglang_args: dict[str, Any] = Field(
         default_factory=dict, description="extra sglang.Engine arguments (--engine sglang), JSON: '{\"tp_size\": 2}'"
     )

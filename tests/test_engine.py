@@ -451,3 +451,45 @@ def test_a_scored_prompt_is_prefilled_apart_from_the_others(pair):
         assert ids == greedy(target, request.prompt_ids, 5)
         scored = [s.token for s in deltas[0].prompt_logprobs]
         assert scored == (list(request.prompt_ids[1:]) if request.sampling.prompt_logprobs is not None else [])
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_an_idle_engine_gives_its_freed_heap_back_once_per_idle_spell(pair, delay):
+    """``release_memory_after_s``: once the engine has sat idle that long after
+    work it gives the heap back, once, not again until it has worked again; a
+    request after the release decodes as before. 0: never."""
+    target, draft, tokenizer = pair
+    config = NativeEngineConfig(policy=BlockPolicy.fixed(4), release_memory_after_s=delay)
+    engine = NativeEngine(target, draft, tokenizer, config)
+    releases: list[float] = []
+    engine._release_heap = lambda: releases.append(delay)
+
+    async def releases_after_idling(expected):
+        for _ in range(3000):  # the release comes within a delay of idleness; a busy machine may take longer
+            if len(releases) >= expected:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # ten delays more: no second release within the same idle spell
+        return len(releases)
+
+    async def main():
+        seen = []
+        for i, prompt in enumerate(prompts(3)):
+            seen.append(await releases_after_idling(i if delay else 0))
+            _, ids, _ = await collect(engine, GenerateRequest(f"r{i}", prompt, 5))
+            assert ids == greedy(target, prompt, 5)
+        return seen
+
+    assert run(engine, main()) == ([0, 1, 2] if delay else [0, 0, 0])
+
+
+def test_glibc_offers_the_heap_release():
+    import platform
+
+    from service.engine.heap import heap_release
+
+    release = heap_release()
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    assert release is not None
+    release()

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from service.config import ServeSettings
+from service.engine.heap import heap_release
 from service.engine.profile import profile_step_times
 from service.engine.text import Decoder, TextStream
 from service.engine.types import (
@@ -82,7 +83,10 @@ class NativeEngineConfig:
     no limit). Sixteen rows beside one of 7,800 tokens peaked at 7.4 GB on
     SmolLM2 (docs/LOG.md), past the CPU pod's 4 GiB limit: one long request
     would have had every request killed with the pod. Rows grow as they
-    decode, so it is a bound at admission, not a hard cap."""
+    decode, so it is a bound at admission, not a hard cap.
+    ``release_memory_after_s``: once the engine has sat idle that long after
+    work, the C heap's freed pages go back to the OS (``service.engine.heap``);
+    0: never."""
 
     max_batch_size: int = 16
     max_waiting: int = 64
@@ -96,6 +100,7 @@ class NativeEngineConfig:
     lookup_table: bool = True
     prefill_chunk: int = 256
     max_batch_slots: int = 0
+    release_memory_after_s: float = 0.0
 
     def __post_init__(self) -> None:
         counts = (
@@ -190,6 +195,8 @@ class NativeEngine:
         self._last_block = self._policy.block_size(1)
         self._turns = Turns()
         self._drafting_steps = 0
+        self._release_heap = heap_release()
+        self._worked = False  # since the heap was last given back
         self._thread = threading.Thread(target=self._run, name="dflash-scheduler", daemon=True)
 
     @classmethod
@@ -228,6 +235,7 @@ class NativeEngine:
             lookup_table=settings.lookup_table,
             prefill_chunk=settings.prefill_chunk_tokens,
             max_batch_slots=settings.max_batch_slots,
+            release_memory_after_s=settings.release_memory_after_s,
         )
         return cls(target, draft, tokenizer, config, on_step=metrics.observe_step, on_prefill=metrics.observe_prefill)
 
@@ -349,13 +357,16 @@ class NativeEngine:
             torch.set_num_threads(self.config.threads)
         while True:
             with self._lock:
-                while not self._waiting and not self._running and not self._chunking and not self._stopped:
-                    self._lock.wait()
-                if self._stopped and not self._waiting and not self._running and not self._chunking:
+                release_memory = self._wait_for_work()
+                if self._stopped and self._idle():
                     return
-                admitted = self._admit()
+                admitted = [] if release_memory else self._admit()
                 self._prefilling = len(admitted) + len(self._chunking)
                 policy = self._policy
+            if release_memory:
+                self._release_idle_memory()
+                continue
+            self._worked = True
             try:
                 self._drop_aborted()
                 if admitted:
@@ -367,6 +378,31 @@ class NativeEngine:
             except Exception:  # a failure outside the isolated prefill and round must not leave requests hanging
                 log.exception("scheduler iteration failed; failing its requests")
                 self._fail_all(admitted)
+
+    def _idle(self) -> bool:
+        return not self._waiting and not self._running and not self._chunking
+
+    def _wait_for_work(self) -> bool:
+        """Wait (lock held) for a request or a stop. True instead when the engine
+        has sat idle ``release_memory_after_s`` since it last worked: time to give
+        the freed heap back (``service.engine.heap``), once per idle spell."""
+        delay = self.config.release_memory_after_s
+        while self._idle() and not self._stopped:
+            if not (self._worked and delay and self._release_heap):
+                self._lock.wait()
+            elif not self._lock.wait(delay) and self._idle() and not self._stopped:
+                return True
+        return False
+
+    def _release_idle_memory(self) -> None:
+        """Outside the lock: a request arriving meanwhile queues at once and waits
+        only for the release itself (tens of milliseconds)."""
+        if self._release_heap is None:
+            return
+        start = time.perf_counter()
+        self._release_heap()
+        self._worked = False
+        log.debug("idle: freed heap given back in %.1f ms", (time.perf_counter() - start) * 1e3)
 
     def _admit(self) -> list[_Job]:
         """Waiting requests for the batch's free places. Each place goes to the
