@@ -20,9 +20,11 @@ ones overflow float32 (1e-45 turned logits into inf and probabilities into NaN).
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """Seeds ``torch.Generator.manual_seed`` accepts."""
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""Repetition penalties allowed (1: off); outside, penalised logits overflow."""
 MAX_TOP_LOGPROBS = 20
 """Most likely tokens a generated token's log-probability may come with (OpenAI's bound)."""
-"""Repetition penalties allowed (1: off); outside, penalised logits overflow."""
+LOGIT_BIAS_LIMIT = 100.0
+"""A logit bias lies in [-100, 100] (OpenAI's bound: -100 bans a token, 100 all but forces it)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,10 @@ class SamplingParams:
     for each generated token, its log-probability under the target and the
     ``logprobs`` most likely tokens' (``speculative.logprobs``; None: off).
     ``prompt_logprobs``: the same for each prompt token after the first (an
-    echoed completion's; None: off)."""
+    echoed completion's; None: off). ``logit_bias``: (token id, bias) pairs
+    added to the row's logits before penalties and warping (``bias_logits``),
+    in the target's and the draft's distribution alike; reported
+    log-probabilities stay the model's own, as OpenAI's do."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -52,8 +57,14 @@ class SamplingParams:
     suppressed: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         for name, top in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
@@ -179,6 +190,19 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tokens = torch.searchsorted(cumulative, u[..., None] * total, right=True).squeeze(-1)
     # u x total can round up to the total itself: the last token with mass, where the sum reaches it.
     return torch.minimum(tokens, (cumulative < total).sum(dim=-1))
+
+
+def bias_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Logits [B, n, V] with each row's ``logit_bias`` added at every position
+    (float32; ``logits`` itself when no row has one)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    for i in rows:
+        tokens, biases = zip(*params[i].logit_bias, strict=True)
+        logits[i, :, list(tokens)] += torch.tensor(biases, device=logits.device)
+    return logits
 
 
 def suppress_early(

@@ -43,6 +43,7 @@ from speculative.penalties import TokenHistory, penalize
 from speculative.rows import Rows
 from speculative.sampling import (
     SamplingParams,
+    bias_logits,
     greedy_tokens,
     make_generators,
     probabilities,
@@ -303,8 +304,7 @@ class DecodeSession:
         # Only penalised rows keep a token history (the others never read it).
         tracked = [p if s.penalized else () for p, s in zip(prompts, sampling, strict=True)]
         history = TokenHistory.from_prompts(tracked, self.target.vocab_size, self.target.device)
-        adjusted = penalize(last_logits[:, None], sampling, history)
-        adjusted = suppress_early(adjusted, sampling, [0] * len(sampling))[:, 0]
+        adjusted = _adjust(last_logits[:, None], sampling, history, [0] * len(sampling))[:, 0]
         first = _sample_first(adjusted, list(sampling), generators)
         self.first_logprobs = {
             key: token_logprobs(logits[None], [token], s.logprobs)[0]
@@ -551,9 +551,9 @@ class DecodeSession:
         return drafts, q, self._alternates(logits[:, 0], drafts[:, 0]) if branching else none
 
     def _adjusting(self) -> bool:
-        """Whether some row adjusts its logits (``_adjusted``: penalties, early-stop suppression)."""
+        """Whether some row adjusts its logits (``_adjusted``: logit bias, penalties, early-stop suppression)."""
         rows = zip(self.rows.params, self.rows.generated, strict=True)
-        return any(p.penalized or p.suppressing(n) for p, n in rows)
+        return any(p.logit_bias or p.penalized or p.suppressing(n) for p, n in rows)
 
     def _alternates(self, first_logits: torch.Tensor, first_drafts: torch.Tensor) -> torch.Tensor:
         """The draft's next ``branches - 1`` most likely tokens for the first
@@ -580,19 +580,18 @@ class DecodeSession:
     def _adjusted(
         self, logits: torch.Tensor, block: torch.Tensor | None = None, tree: DraftTree | None = None
     ) -> torch.Tensor:
-        """The rows' penalties and early stop suppression on block logits [B, n, V]:
-        the same for the draft's q and the target's p, which exactness needs.
+        """The rows' logit bias, penalties and early stop suppression on block logits
+        [B, n, V]: the same for the draft's q and the target's p, which exactness needs.
         With the verify ``block`` [B, n] and its ``tree``, each slot's distribution
         is adjusted for its own path (the tokens on it, its depth): the one plain
         decoding would use after that prefix, whichever path the row commits.
         Without them, every position as right after the committed tokens."""
         if not self._adjusting():
             return logits
-        device, params = logits.device, self.rows.params
+        device = logits.device
         drafts = None if block is None else block[:, 1:]
         paths, depths = (None, None) if tree is None else (tree.visibility(device), tree.depths(device))
-        logits = penalize(logits, params, self.rows.history, drafts, paths)
-        return suppress_early(logits, params, self.rows.generated, depths)
+        return _adjust(logits, self.rows.params, self.rows.history, self.rows.generated, drafts, paths, depths)
 
     def _accept(
         self,
@@ -657,6 +656,23 @@ class DecodeSession:
         # With a draft, every target forward captures its feature layers and the batch has a draft cache.
         assert features is not None and batch.draft_cache is not None
         append_draft_context(batch.draft_cache, draft.context_kv(features, positions))
+
+
+def _adjust(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    history: TokenHistory,
+    generated: Sequence[int],
+    drafts: torch.Tensor | None = None,
+    paths: torch.Tensor | None = None,
+    depths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits [B, n, V] as the rows sample from them: the logit bias, then the
+    penalties (vLLM's order), then the early-stop suppression; ``drafts``,
+    ``paths`` and ``depths`` place a verify block's slots (``penalize``,
+    ``suppress_early``)."""
+    logits = penalize(bias_logits(logits, params), params, history, drafts, paths)
+    return suppress_early(logits, params, generated, depths)
 
 
 def _copy_rows(batch: RaggedBatch, last_logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

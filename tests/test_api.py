@@ -175,6 +175,23 @@ def test_penalties_reach_the_decoder(model, client):
     assert reply.choices[0].text == expected != greedy_text(model, prompt_ids, 24)[0]
 
 
+def test_logit_bias_reaches_the_decoder(model, client):
+    """OpenAI's ``logit_bias``: -100 on the token greedy decoding opens with and
+    +5 on another gives what offline decoding with the same bias gives, and a
+    different text."""
+    prompt_ids = model[3]("import json\n", add_special_tokens=False)["input_ids"]
+    plain_text, plain_ids = greedy_text(model, prompt_ids, 16)
+    bias = {str(plain_ids[0]): -100, "17": 5}
+    expected, ids = greedy_text(model, prompt_ids, 16, [SamplingParams(logit_bias=((plain_ids[0], -100), (17, 5)))])
+    reply = client.completions.create(model="target", prompt=prompt_ids, max_tokens=16, temperature=0, logit_bias=bias)
+    assert reply.choices[0].text == expected != plain_text
+    assert ids[0] != plain_ids[0]
+    chat = client.chat.completions.create(
+        model="target", messages=[{"role": "user", "content": "x"}], max_tokens=4, temperature=0, logit_bias={"17": 100}
+    )
+    assert chat.choices[0].message.content == model[3].decode([17] * 4)
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(client):
     kwargs = dict(model="target", messages=[{"role": "user", "content": "class Stack:"}], max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -325,6 +342,9 @@ def test_models_health_ready(server, client):
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
         (dict(max_tokens=3, extra_body={"min_tokens": 4}), "min_tokens"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+        (dict(logit_bias={"five": 1}), "logit_bias"),
+        (dict(logit_bias={"99999999": 1}), "logit_bias"),
     ],
 )
 def test_bad_fields_are_400_with_openai_shape(client, kwargs, param):

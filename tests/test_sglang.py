@@ -275,6 +275,9 @@ def test_server_and_sampling_arguments():
         "repetition_penalty": 1.0,
         "min_new_tokens": 0,
     }
+    biased = GenerateRequest("r", (1, 2), 5, SamplingParams(logit_bias=((7, -100.0), (9, 2.0))))
+    assert sampling_params(biased)["logit_bias"] == {"7": -100.0, "9": 2.0}  # SGLang's keys are strings
+    assert "logit_bias" not in sampling_params(request)
 
 
 def test_finish_reasons_and_spec_stats():

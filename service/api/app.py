@@ -215,6 +215,7 @@ async def _serve(
         suppressed=stop_ids,
         logprobs=body.logprob_count(),
         prompt_logprobs=body.logprob_count() if echo is not None else None,
+        logit_bias=body.logit_bias_pairs(),
     )
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     budgets = []

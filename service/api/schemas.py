@@ -13,11 +13,18 @@ from typing import Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from speculative.sampling import MAX_TOP_LOGPROBS, MIN_TEMPERATURE, REPETITION_PENALTY_RANGE, SEED_RANGE
+from speculative.sampling import (
+    LOGIT_BIAS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+    SEED_RANGE,
+)
 
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias (a banned word list fits)
 
 _Value = TypeVar("_Value")
 
@@ -93,7 +100,28 @@ class SamplingFields(BaseModel):
     )
     ignore_eos: bool = Field(default=False, description="extension (vLLM, SGLang): run to max_tokens past end of text")
     min_tokens: int = Field(default=0, ge=0, description="extension (vLLM, SGLang): no end of text before this many")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (a string, as JSON keys are) -> bias in [-100, 100] added to its logit"
+    )
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as the engine takes it: (token id, bias) pairs."""
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     @field_validator("temperature")
     @classmethod

@@ -349,6 +349,8 @@ class NativeEngine:
         vocab = self.target.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if any(token >= vocab for token, _ in request.sampling.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
 
     # ---------------------------------------------------------------- scheduler
 

@@ -85,6 +85,9 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
     }
     if s.seed is not None:
         params["sampling_seed"] = s.seed
+    if s.logit_bias:
+        # SGLang's DFlash verify adds it to the target's logits (``dflash_utils``) and checks the ids.
+        params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
     return params
 
 
