@@ -42,6 +42,11 @@ class ServeSettings(BaseSettings):
         "this many cache slots with it (rows x longest row; a lone request always fits; 0: no limit)",
     )
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
+    max_request_bytes: int = Field(
+        default=2 * 2**20,
+        ge=0,
+        description="request bodies past this many bytes are refused with 413 before they are parsed; 0: no limit",
+    )
     block_size: int = Field(default=0, ge=0, description="fixed block size; 0: the draft's trained block")
     branches: int = Field(
         default=4,

@@ -636,6 +636,32 @@ def test_every_finish_reason_and_refusal_is_counted(model):
         assert metric_values(url, "dflash_refused_requests_total", "reason") == {"invalid": 1, "not_found": 1}
 
 
+def test_a_body_past_the_limit_is_413_before_parsing_and_the_server_serves_on(model):
+    """``max_request_bytes``: a declared body past the limit and a chunked one
+    that grows past it are 413 in the OpenAI shape, counted as refusals; a
+    chunked body within it is served as if sent whole."""
+    live, _ = make_server(model, max_request_bytes=2048)
+    with live as url:
+        endpoint = url + "/v1/completions"
+        small = json.dumps({"model": "target", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).encode()
+        big = json.dumps({"model": "target", "prompt": "x " * 2000, "max_tokens": 4}).encode()
+
+        def chunked(body: bytes):
+            yield from (body[i : i + 500] for i in range(0, len(body), 500))
+
+        declared = httpx2.post(endpoint, content=big, headers={"content-type": "application/json"}, timeout=30)
+        streamed = httpx2.post(endpoint, content=chunked(big), headers={"content-type": "application/json"}, timeout=30)
+        for refused in (declared, streamed):
+            assert refused.status_code == 413, refused.text
+            assert refused.json()["error"]["code"] == "request_too_large"
+            assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+        whole = httpx2.post(endpoint, content=small, headers={"content-type": "application/json"}, timeout=30)
+        pieces = httpx2.post(endpoint, content=chunked(small), headers={"content-type": "application/json"}, timeout=30)
+        assert whole.status_code == pieces.status_code == 200
+        assert whole.json()["choices"][0]["text"] == pieces.json()["choices"][0]["text"]
+        assert metric_values(url, "dflash_refused_requests_total", "reason") == {"too_large": 2}
+
+
 class EncodingThreads:
     """A tokenizer that records which threads encode text."""
 

@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -25,7 +25,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.api.errors import APIError, from_engine_error, install_handlers
+from service.api.errors import REFUSAL_REASONS, APIError, from_engine_error, install_handlers
+from service.api.limits import BodyLimit
 from service.api.replies import Echo, complete, metered, sse
 from service.api.responses import ChatCompletion, Completion, Model, ModelList, Policy, error_responses, install_openapi
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, PolicyBody, SamplingFields
@@ -68,6 +69,7 @@ def build_app(
     app.state.ready = False
     app.state.stop_ids = stop_token_ids(tokenizer)
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, on_refused=_count_too_large(app))
     install_openapi(app)
     authorized = Depends(_check_api_key)
 
@@ -330,3 +332,12 @@ def _check_api_key(request: Request) -> None:
     key = request.app.state.settings.api_key
     if key and request.headers.get("authorization") != f"Bearer {key}":
         raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+
+def _count_too_large(app: FastAPI) -> Callable[[], None]:
+    """Counts a body refused by ``BodyLimit`` (it answers before any route or handler)."""
+
+    def count() -> None:
+        app.state.metrics.refused.labels(REFUSAL_REASONS[413]).inc()
+
+    return count

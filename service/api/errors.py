@@ -74,6 +74,7 @@ REFUSAL_REASONS = {
     404: "not_found",
     405: "not_allowed",
     409: "conflict",
+    413: "too_large",
     429: "queue_full",
     503: "draining",
 }
