@@ -29,8 +29,9 @@ LOGIT_BIAS_LIMIT = 100.0
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature == 0`` means greedy; ``top_k == 0``
-    and ``top_p == 1`` disable those filters; ``seed`` makes the row reproducible.
+    """How one request samples. ``temperature == 0`` means greedy; ``top_k == 0``,
+    ``top_p == 1`` and ``min_p == 0`` disable those filters (``probabilities``);
+    ``seed`` makes the row reproducible.
     Penalties (``speculative.penalties``): ``presence_penalty`` and
     ``frequency_penalty`` in [-2, 2] (0: off), ``repetition_penalty`` in
     ``REPETITION_PENALTY_RANGE`` (1: off). The bounds are what the engine
@@ -58,6 +59,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
@@ -78,6 +80,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         low, high = REPETITION_PENALTY_RANGE
@@ -114,13 +118,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Warped next-token distributions [B, n, V] from logits [B, n, V], one
-    ``SamplingParams`` per row (greedy rows give one-hot argmax rows)."""
+    ``SamplingParams`` per row (greedy rows give one-hot argmax rows): the
+    temperature, then ``min_p`` (tokens less likely than ``min_p`` times the
+    most likely one drop out), then top-k and top-p, in vLLM's order (SGLang
+    applies min-p last, which differs only when top-p is set too)."""
     vocab = logits.shape[-1]
     device = logits.device
     logits = logits.float()
     greedy = torch.tensor([p.greedy for p in params], device=device)
     temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
     logits = logits / temperature[:, None, None]
+    if any(p.min_p > 0 for p in params):
+        logits = _filter_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
     top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     if bool((top_k < vocab).any() or (top_p < 1).any()):
@@ -130,6 +139,14 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         one_hot = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[..., None], 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs
+
+
+def _filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set logits of tokens less likely than ``min_p`` [B] times their
+    distribution's most likely token to -inf (compared in log space: log p_v -
+    log p_max = logit_v - logit_max, so no softmax is needed)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

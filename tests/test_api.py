@@ -192,6 +192,15 @@ def test_logit_bias_reaches_the_decoder(model, client):
     assert chat.choices[0].message.content == model[3].decode([17] * 4)
 
 
+def test_min_p_reaches_the_decoder(model, client):
+    """``min_p`` 1 keeps only the most likely token: sampling at T = 1 then gives the greedy text."""
+    prompt_ids = model[3]("import json\n", add_special_tokens=False)["input_ids"]
+    expected, _ = greedy_text(model, prompt_ids, 16)
+    kwargs = dict(model="target", prompt=prompt_ids, max_tokens=16, temperature=1.0, seed=7)
+    assert client.completions.create(**kwargs, extra_body={"min_p": 1.0}).choices[0].text == expected
+    assert client.completions.create(**kwargs).choices[0].text != expected  # T = 1 alone strays here
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(client):
     kwargs = dict(model="target", messages=[{"role": "user", "content": "class Stack:"}], max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -342,6 +351,7 @@ def test_models_health_ready(server, client):
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
         (dict(max_tokens=3, extra_body={"min_tokens": 4}), "min_tokens"),
+        (dict(extra_body={"min_p": 1.5}), "min_p"),
         (dict(logit_bias={"5": 101}), "logit_bias"),
         (dict(logit_bias={"five": 1}), "logit_bias"),
         (dict(logit_bias={"99999999": 1}), "logit_bias"),

@@ -7,6 +7,7 @@ implementation; every run is seeded, so the outcome is deterministic.
 """
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -32,6 +33,7 @@ LOOKUP_PROMPT = [1, 0, 3, 1, 1, 4, 1, 2, 5, 1, 3, 2, 1, 4, 0, 1, 5, 5, 1]
 WARPS = {
     "t1": dict(temperature=1.0),
     "t0.8-k4-p0.9": dict(temperature=0.8, top_k=4, top_p=0.9),
+    "t1-minp0.6": dict(temperature=1.0, min_p=0.6),  # drops 112 of the 216 three-token sequences
 }
 
 
@@ -121,6 +123,25 @@ def test_top_k_top_p_warping():
     assert probabilities(logits, [SamplingParams()])[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    """After the temperature, a token survives ``min_p`` when its probability is
+    at least ``min_p`` times the most likely token's, written out per token; then
+    top-k and top-p apply to what is left, renormalised."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 2, 12, generator=g) * 2
+    params = [SamplingParams(1.3, min_p=0.3), SamplingParams(1.0, min_p=0.0), SamplingParams(0.7, min_p=0.1, top_k=3)]
+    probs = probabilities(logits, params)
+    for row, p in enumerate(params):
+        for pos in range(2):
+            warm = torch.softmax(logits[row, pos] / p.temperature, -1)
+            kept = warm >= p.min_p * warm.max()
+            if p.top_k:
+                kept &= torch.zeros_like(kept).scatter(0, warm.masked_fill(~kept, 0).topk(p.top_k).indices, True)
+            expected = torch.where(kept, warm, 0) / warm[kept].sum()
+            torch.testing.assert_close(probs[row, pos], expected)
+    assert (probs[0] == 0).any()  # min_p 0.3 drops tokens here
 
 
 def test_warping_and_penalties_keep_tokens_outside_a_draft_vocabulary_at_zero():
@@ -222,7 +243,7 @@ def spec_joint(
     target, draft, params: SamplingParams, proposal: str, prompt=PROMPT, lookup: int = 0, branches: int = 1
 ) -> tuple[torch.Tensor, GenerationResult]:
     """Counts of the first K generated tokens of ROWS seeded rows [V**K], and the run."""
-    rows = [SamplingParams(params.temperature, params.top_p, params.top_k, seed=i) for i in range(ROWS)]
+    rows = [dataclasses.replace(params, seed=i) for i in range(ROWS)]
     config = DecodeConfig(block_size=4, max_new_tokens=K, proposal=proposal, lookup=lookup, branches=branches)
     result = spec_generate(target, draft, [prompt] * ROWS, config, rows)
     codes = torch.tensor([sum(t * V ** (K - 1 - i) for i, t in enumerate(tokens)) for tokens in result.tokens])

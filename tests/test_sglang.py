@@ -266,6 +266,7 @@ def test_server_and_sampling_arguments():
         "temperature": 0.7,
         "top_p": 0.9,
         "top_k": -1,
+        "min_p": 0.0,
         "stop_token_ids": [0],
         "stop": ["\n\n"],
         "skip_special_tokens": True,

@@ -209,6 +209,7 @@ async def _serve(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=max(0, body.top_k or 0),
+        min_p=body.min_p,
         seed=body.seed,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,

@@ -85,6 +85,9 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description=f"0 (greedy) or in [{MIN_TEMPERATURE}, 2]")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="extension: 0 or -1 disables")
+    min_p: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="extension (vLLM, SGLang): drop tokens below min_p x the top one's p"
+    )
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="choices, each its own request in the engine")

@@ -75,6 +75,7 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": s.top_k if s.top_k > 0 else -1,
+        "min_p": s.min_p,
         "stop_token_ids": list(request.stop_token_ids),
         "stop": list(request.stop),
         "skip_special_tokens": True,
