@@ -15,6 +15,7 @@ from typing import Any, TypeVar, get_args
 
 from speculative.context import ContextLengthExceeded, check_context
 from speculative.draft import DFlashDraftModel
+from speculative.grammar import GrammarCompiler
 from speculative.sampling import GREEDY, SamplingParams
 from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, Proposal, RoundStats, check_pair
 from speculative.target import TargetModel
@@ -92,12 +93,14 @@ def spec_generate(
     prompts: Sequence[Sequence[int]],
     config: DecodeConfig,
     sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    grammars: GrammarCompiler | None = None,
 ) -> GenerationResult:
     """Generate continuations of ``prompts`` (token ids) with DFlash speculation.
 
     The output distribution is exactly the target's; with greedy sampling the
     tokens equal target-only greedy decoding. ``sampling`` is one setting for
-    all rows or one per prompt.
+    all rows or one per prompt; ``grammars`` compiles their grammars, if any
+    (``speculative.grammar``).
     """
     params = _per_row_sampling(sampling, len(prompts))
     _check_inputs(target, draft, prompts, config)
@@ -110,6 +113,7 @@ def spec_generate(
         branches=config.branches,
         lookup=config.lookup,
         lookup_table=config.lookup_table,
+        grammars=grammars,
     )
     outputs: list[list[int]] = [[] for _ in prompts]
     reasons = ["length"] * len(prompts)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.grammar import GrammarMatcher
 from speculative.lookup import NgramIndex
 from speculative.penalties import TokenHistory
 from speculative.sampling import SamplingParams
@@ -16,8 +17,9 @@ from speculative.sampling import SamplingParams
 @dataclass
 class Rows:
     """Per-row state in batch order: caller's key, current anchor, sampling,
-    the token history the repetition penalties read, and the n-gram index
-    lookup proposes from (None where the session does not look up)."""
+    the token history the repetition penalties read, the n-gram index
+    lookup proposes from (None where the session does not look up), and the
+    grammar matcher of a row with structured output (else None)."""
 
     keys: list[Hashable]
     anchors: torch.Tensor
@@ -26,6 +28,7 @@ class Rows:
     history: TokenHistory
     generated: list[int]  # tokens each row has emitted (what min_tokens counts)
     ngrams: list[NgramIndex | None]
+    grammars: list[GrammarMatcher | None]
 
     def select(self, index: list[int]) -> None:
         rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
@@ -35,6 +38,7 @@ class Rows:
         self.generators = [self.generators[i] for i in index]
         self.generated = [self.generated[i] for i in index]
         self.ngrams = [self.ngrams[i] for i in index]
+        self.grammars = [self.grammars[i] for i in index]
         self.history.select(rows)
 
     def subset(self, index: list[int]) -> Rows:
@@ -47,7 +51,8 @@ class Rows:
         generators = [self.generators[i] for i in index]
         generated = [self.generated[i] for i in index]
         ngrams = [self.ngrams[i] for i in index]
-        return Rows(keys, self.anchors[rows], params, generators, history, generated, ngrams)
+        grammars = [self.grammars[i] for i in index]
+        return Rows(keys, self.anchors[rows], params, generators, history, generated, ngrams, grammars)
 
     def extend(self, other: Rows) -> None:
         self.keys += other.keys
@@ -56,4 +61,5 @@ class Rows:
         self.generators += other.generators
         self.generated += other.generated
         self.ngrams += other.ngrams
+        self.grammars += other.grammars
         self.history.extend(other.history)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.grammar import Grammar
+
 MIN_TEMPERATURE = 0.01
 """Smallest temperature above 0 (greedy): what vLLM clamps to; far smaller
 ones overflow float32 (1e-45 turned logits into inf and probabilities into NaN)."""
@@ -45,7 +47,8 @@ class SamplingParams:
     echoed completion's; None: off). ``logit_bias``: (token id, bias) pairs
     added to the row's logits before penalties and warping (``bias_logits``),
     in the target's and the draft's distribution alike; reported
-    log-probabilities stay the model's own, as OpenAI's do."""
+    log-probabilities stay the model's own, as OpenAI's do. ``grammar``: the
+    row's output stays within it (``speculative.grammar``; structured output)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -60,8 +63,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        if self.grammar is not None and self.min_tokens:
+            # A finished grammar allows only the end of text, which min_tokens would mask too.
+            raise ValueError("a grammar and min_tokens cannot be combined")
         if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
             raise ValueError("logit_bias names a token twice")
         for token, bias in self.logit_bias:

@@ -18,6 +18,7 @@ from service.api.responses import ChatCompletion, Completion, ErrorResponse, Mod
 from service.metrics import Metrics, batch_bucket
 from speculative.chat import user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
+from speculative.grammar import Grammar, compiler_for
 from speculative.sampling import GREEDY, SamplingParams
 from speculative.session import RoundStats
 
@@ -201,6 +202,52 @@ def test_min_p_reaches_the_decoder(model, client):
     assert client.completions.create(**kwargs).choices[0].text != expected  # T = 1 alone strays here
 
 
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "tag"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_gives_json_that_follows_the_schema_streamed_or_not(model, client):
+    """A ``json_schema`` response format: the reply parses and follows the
+    schema, streamed alike, and is what offline decoding under the same grammar
+    gives; ``json_object`` opens an object the same way."""
+    _, target, _, tokenizer = model
+    prompt_ids = user_prompt_ids(tokenizer, ["Is the sky blue?"])[0]
+    grammars = compiler_for(tokenizer, target.vocab_size)
+    formats = {
+        Grammar.json_schema(ANSWER_SCHEMA): {
+            "type": "json_schema",
+            "json_schema": {"name": "a", "schema": ANSWER_SCHEMA},
+        },
+        Grammar.json_schema({"type": "object"}): {"type": "json_object"},
+    }
+    for grammar, response_format in formats.items():
+        config, sampling = DecodeConfig(1, 40, (0, 2)), [SamplingParams(grammar=grammar)]
+        ids = spec_generate(target, None, [prompt_ids], config, sampling, grammars=grammars).tokens[0]
+        expected = tokenizer.decode(ids, skip_special_tokens=True)
+        kwargs = dict(
+            model="target",
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            max_tokens=40,
+            temperature=0,
+            response_format=response_format,
+        )
+        reply = client.chat.completions.create(**kwargs).choices[0].message.content
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+        )
+        assert reply == streamed == expected and reply.startswith("{")
+    answer = json.loads(
+        client.chat.completions.create(**{**kwargs, "response_format": formats[Grammar.json_schema(ANSWER_SCHEMA)]})
+        .choices[0]
+        .message.content
+    )
+    assert set(answer) == {"ok", "tag"} and isinstance(answer["ok"], bool) and answer["tag"] in ("red", "green", "blue")
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(client):
     kwargs = dict(model="target", messages=[{"role": "user", "content": "class Stack:"}], max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -352,6 +399,12 @@ def test_models_health_ready(server, client):
         (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
         (dict(max_tokens=3, extra_body={"min_tokens": 4}), "min_tokens"),
         (dict(extra_body={"min_p": 1.5}), "min_p"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "x"}}}),
+            "response_format",
+        ),
+        (dict(response_format={"type": "json_object"}, extra_body={"min_tokens": 2}), None),
+        (dict(response_format={"type": "yaml"}), "response_format.type"),
         (dict(logit_bias={"5": 101}), "logit_bias"),
         (dict(logit_bias={"five": 1}), "logit_bias"),
         (dict(logit_bias={"99999999": 1}), "logit_bias"),

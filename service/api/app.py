@@ -219,6 +219,7 @@ async def _serve(
         logprobs=body.logprob_count(),
         prompt_logprobs=body.logprob_count() if echo is not None else None,
         logit_bias=body.logit_bias_pairs(),
+        grammar=body.grammar(),
     )
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     budgets = []

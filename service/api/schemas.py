@@ -9,10 +9,11 @@ and text must be valid Unicode (a lone surrogate is 400, not a tokenizer crash).
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from speculative.grammar import Grammar
 from speculative.sampling import (
     LOGIT_BIAS_LIMIT,
     MAX_TOP_LOGPROBS,
@@ -75,6 +76,40 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: a named JSON schema (``strict`` is
+    accepted; output always follows the schema)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that
+    follows a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the output must match (None for plain text)."""
+        if self.type == "json_object":
+            return Grammar.json_schema({"type": "object"})
+        if self.json_schema is not None:
+            return Grammar.json_schema(self.json_schema.json_schema)
+        return None
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
@@ -106,6 +141,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         default=None, description="token id (a string, as JSON keys are) -> bias in [-100, 100] added to its logit"
     )
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     @field_validator("logit_bias")
@@ -154,7 +190,13 @@ class SamplingFields(BaseModel):
     def _supported(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.min_tokens and self.grammar() is not None:
+            raise ValueError("min_tokens cannot be combined with a JSON response_format (it would mask the end)")
         return self
+
+    def grammar(self) -> Grammar | None:
+        """What the output must match, from ``response_format``."""
+        return None if self.response_format is None else self.response_format.grammar()
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -47,6 +47,7 @@ from speculative.batch import prefill_groups
 from speculative.checkpoint import load_draft
 from speculative.decode import cut_at_stop
 from speculative.draft import DFlashDraftModel
+from speculative.grammar import Grammar, compiler_for
 from speculative.logprobs import TokenLogprob
 from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
@@ -172,6 +173,8 @@ class NativeEngine:
         on_prefill: collections.abc.Callable[[int, float], None] | None = None,
     ) -> None:
         config = config or NativeEngineConfig()
+        # Structured output (``SamplingParams.grammar``); None where the tokenizer is not a fast one.
+        self.grammars = compiler_for(tokenizer, target.vocab_size)
         self.session = DecodeSession(
             target,
             draft,
@@ -180,6 +183,7 @@ class NativeEngine:
             branches=config.branches,
             lookup=config.lookup,
             lookup_table=config.lookup_table,
+            grammars=self.grammars,
         )
         self.target, self.tokenizer, self.config = target, tokenizer, config
         self.on_step, self.on_prefill = on_step, on_prefill
@@ -303,6 +307,8 @@ class NativeEngine:
         """Admit ``request`` and stream its deltas; leaving the iteration early
         (client gone) aborts it and frees its slot."""
         self._validate(request)
+        if request.sampling.grammar is not None:
+            await self._check_grammar(request.sampling.grammar)
         job = _Job(request, asyncio.get_running_loop(), asyncio.Queue(), TextStream(self.tokenizer, request.stop))
         with self._lock:
             if self._draining:
@@ -322,6 +328,15 @@ class NativeEngine:
         finally:
             if not finished:
                 self.abort(request.request_id)
+
+    async def _check_grammar(self, grammar: Grammar) -> None:
+        """Refuse a grammar that cannot be matched (400); compiling it here, off the
+        scheduler thread, also keeps its compiled form for the row's prefill."""
+        if self.grammars is None:
+            raise InvalidRequestError("structured output needs a fast tokenizer", param="response_format")
+        error = await asyncio.to_thread(self.grammars.check, grammar)
+        if error is not None:
+            raise InvalidRequestError(f"response_format cannot be matched: {error}", param="response_format")
 
     def abort(self, request_id: str) -> None:
         """Stop a request: a queued one leaves the queue at once (an abandoned

@@ -86,6 +86,8 @@ def sampling_params(request: GenerateRequest) -> dict[str, Any]:
     }
     if s.seed is not None:
         params["sampling_seed"] = s.seed
+    if s.grammar is not None:
+        params[s.grammar.kind] = s.grammar.source  # SGLang's "json_schema" / "regex" sampling params
     if s.logit_bias:
         # SGLang's DFlash verify adds it to the target's logits (``dflash_utils``) and checks the ids.
         params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias}
