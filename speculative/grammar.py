@@ -183,6 +183,12 @@ class GrammarMatcher:
         self._matcher.rollback(consumed)
         return tokens
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (none where it leaves a
+        choice). Proposed as a lookup path: the target, masked, must agree unless
+        it tokenizes the forced text another way."""
+        return list(self._matcher.compute_ff_tokens()[:limit])
+
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit a row's emitted tokens (each allowed where it was drawn; after
         the end of text nothing more is committed, so the rest are ignored)."""

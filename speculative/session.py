@@ -641,8 +641,15 @@ class DecodeSession:
         """Each row's n-gram lookup continuation [B, L] (``NgramIndex.propose``)
         and which of its slots the row filled [B, L]; L is the longest
         continuation found, 0 in a round not ``looking`` or without any match.
-        Slots past the model's context never count."""
-        found = [index.propose(self.lookup) if looking and index is not None else [] for index in self.rows.ngrams]
+        Slots past the model's context never count. A row under a grammar that
+        forces its next tokens (a key's name, a separator) proposes those instead."""
+        found = [
+            (grammar.forced(self.lookup) if grammar is not None else [])
+            or (index.propose(self.lookup) if index else [])
+            if looking
+            else []
+            for index, grammar in zip(self.rows.ngrams, self.rows.grammars, strict=True)
+        ]
         width = max(map(len, found), default=0)
         if not width:
             return start.new_empty(len(found), 0), start.new_empty(len(found), 0, dtype=torch.bool)

@@ -76,6 +76,9 @@ def test_greedy_rows_under_a_schema_match_the_constrained_loop_and_parse(pair, c
     for config in (DecodeConfig(1, 40, STOPS), DecodeConfig(8, 40, STOPS), tree):
         result = spec_generate(target, draft, prompts, config, params, grammars=compiler)
         assert result.tokens == references
+    # The schema forces its keys and separators: the constrained rows propose them as their lookup path.
+    forced = spec_generate(target, draft, prompts[::2], tree, params[::2], grammars=compiler)
+    assert sum(r.lookup_accepted for r in forced.rounds) >= 3 * len(prompts[::2])
 
 
 def test_a_grammar_needs_a_compiler_and_refuses_min_tokens(pair):
