@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -111,8 +112,9 @@ def random_prompts(
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
-def reference_greedy(target: TargetModel, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Target-only greedy decoding by transformers' own ``generate``."""
+def reference_greedy(target: TargetModel, prompt: list[int], max_new_tokens: int, **processors: Any) -> list[int]:
+    """Target-only greedy decoding by transformers' own ``generate``; ``processors``
+    are its logits-processing arguments (``repetition_penalty``, ``sequence_bias``)."""
     ids = torch.tensor([prompt], device=target.device)
     out = target.model.generate(
         ids,
@@ -121,5 +123,6 @@ def reference_greedy(target: TargetModel, prompt: list[int], max_new_tokens: int
         do_sample=False,
         pad_token_id=0,
         eos_token_id=None,
+        **processors,
     )
     return out[0, len(prompt) :].tolist()

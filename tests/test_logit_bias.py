@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import random_prompts
+from builders import random_prompts, reference_greedy
 from test_sampling import ALPHA, LOOKUP_PROMPT, PROMPT, ROWS, K, V, chi_square_pvalue, exact_joint
 
 from speculative.decode import DecodeConfig, spec_generate
@@ -34,29 +34,16 @@ def test_a_bias_out_of_range_or_named_twice_is_refused(bad):
         SamplingParams(logit_bias=bad)
 
 
-@torch.no_grad()
-def biased_generate(target, prompt: list[int], bias: tuple[tuple[int, float], ...]) -> list[int]:
-    """Target-only greedy decoding by transformers' ``generate`` with its ``sequence_bias``."""
-    ids = torch.tensor([prompt])
-    out = target.model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-        sequence_bias={(token,): value for token, value in bias} if bias else None,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_biased_greedy_rows_match_transformers_in_ragged_batches(qwen_pair):
     target, draft = qwen_pair
-    plain = [biased_generate(target, prompt, ()) for prompt in PROMPTS]
+    plain = [reference_greedy(target, prompt, NEW_TOKENS) for prompt in PROMPTS]
     # Ban the token the first row opens with, favour another: the output must change.
     bias = ((plain[0][0], -100.0), (plain[1][3], 4.0))
     params = [SamplingParams(logit_bias=bias) if i % 2 == 0 else SamplingParams() for i in range(len(PROMPTS))]
-    references = [biased_generate(target, prompt, p.logit_bias) for prompt, p in zip(PROMPTS, params, strict=True)]
+    references = [
+        reference_greedy(target, prompt, NEW_TOKENS, sequence_bias={(t,): b for t, b in p.logit_bias} or None)
+        for prompt, p in zip(PROMPTS, params, strict=True)
+    ]
     assert references[0] != plain[0] and plain[0][0] not in references[0]
     tree = DecodeConfig(4, NEW_TOKENS, branches=4, lookup=4)
     for config in (DecodeConfig(1, NEW_TOKENS), DecodeConfig(8, NEW_TOKENS), tree):

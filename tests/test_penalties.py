@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from builders import random_prompts
+from builders import random_prompts, reference_greedy
 from test_sampling import ALPHA, LOOKUP_PROMPT, PROMPT, ROWS, V, chi_square_pvalue, exact_joint
 
 from speculative.decode import DecodeConfig, spec_generate
@@ -79,16 +79,7 @@ def test_repetition_penalty_greedy_matches_transformers(qwen_pair, block_size):
     target, draft = qwen_pair
     params = SamplingParams(repetition_penalty=1.3)
     for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        reference = target.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            repetition_penalty=1.3,
-            pad_token_id=0,
-            eos_token_id=None,
-        )[0, len(prompt) :].tolist()
+        reference = reference_greedy(target, prompt, NEW_TOKENS, repetition_penalty=1.3)
         result = spec_generate(target, draft, [prompt], DecodeConfig(block_size, NEW_TOKENS), [params])
         assert result.tokens[0] == reference
 
