@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.grammar import Grammar, GrammarCompiler, grammar_tokenizer
 from speculative.sampling import SamplingParams
+from speculative.session import DecodeSession
 
 STOPS = (0, 2)
 SCHEMA = {
@@ -125,3 +126,26 @@ def test_sampling_under_a_grammar_follows_the_constrained_target(small_vocab, le
     plain = exact_joint(target, SamplingParams(1.0), prompt=LOOKUP_PROMPT)
     assert chi_square_pvalue(counts(mixed.tokens[1::2]), plain) > ALPHA
     assert sum(r.branches_taken for r in mixed.rounds) > ROWS // 100
+
+
+def test_a_constrained_row_reports_the_models_own_logprobs(pair, compiler):
+    """Log-probabilities of a row under a grammar are the unconstrained target's
+    (as OpenAI reports them), not the masked distribution's: the masks must not
+    reach the logits they are read from."""
+    target, draft, _ = pair
+    prompt = [5, 40, 41]
+    session = DecodeSession(target, draft, branches=3, lookup=4, grammars=compiler)
+    params = SamplingParams(grammar=Grammar.json_schema(SCHEMA), logprobs=2)
+    tokens = [session.add(["a"], [prompt], [params])["a"]]
+    got = [session.first_logprobs["a"]]
+    while tokens[-1] not in STOPS and len(tokens) < 40:
+        stats, emitted = session.step(4)
+        tokens += emitted["a"]
+        got += stats.logprobs["a"]
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    assert [g.token for g in got] == tokens
+    for j, g in enumerate(got):
+        assert g.logprob == pytest.approx(reference[j, tokens[j]].item(), abs=1e-4)
+    assert min(g.logprob for g in got) < -0.5  # the grammar forced tokens the model alone doubted
