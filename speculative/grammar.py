@@ -17,6 +17,7 @@ masked without copying the matcher.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,6 +52,11 @@ class Grammar:
 
     kind: GrammarKind
     source: str
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Grammar:
+        """Exactly one of ``options``, as written."""
+        return cls("regex", "(" + "|".join(re.escape(option) for option in options) + ")")
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> Grammar:

@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -248,6 +249,22 @@ def test_response_format_gives_json_that_follows_the_schema_streamed_or_not(mode
     assert set(answer) == {"ok", "tag"} and isinstance(answer["ok"], bool) and answer["tag"] in ("red", "green", "blue")
 
 
+def test_structured_outputs_choice_and_regex_are_kept(client):
+    """vLLM's ``structured_outputs``: a choice answers one of the strings as
+    written, a regex's answer matches it whole."""
+    kwargs = dict(
+        model="target", messages=[{"role": "user", "content": "Pick a colour."}], max_tokens=20, temperature=0
+    )
+    for stream in (False, True):
+        choice = {"structured_outputs": {"choice": ["red sky", "green (dark)", "blue"]}}
+        reply = client.chat.completions.create(stream=stream, extra_body=choice, **kwargs)
+        text = "".join(c.choices[0].delta.content or "" for c in reply) if stream else reply.choices[0].message.content
+        assert text in ("red sky", "green (dark)", "blue")
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    text = client.chat.completions.create(extra_body={"structured_outputs": {"regex": pattern}}, **kwargs)
+    assert re.fullmatch(pattern, text.choices[0].message.content)
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(client):
     kwargs = dict(model="target", messages=[{"role": "user", "content": "class Stack:"}], max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
@@ -405,6 +422,10 @@ def test_models_health_ready(server, client):
         ),
         (dict(response_format={"type": "json_object"}, extra_body={"min_tokens": 2}), None),
         (dict(response_format={"type": "yaml"}), "response_format.type"),
+        (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs"),
+        (dict(extra_body={"structured_outputs": {"grammar": "root ::= x"}}), "structured_outputs.grammar"),
+        (dict(extra_body={"structured_outputs": {"regex": "("}}), "structured_outputs"),
+        (dict(response_format={"type": "json_object"}, extra_body={"structured_outputs": {"regex": "a"}}), None),
         (dict(logit_bias={"5": 101}), "logit_bias"),
         (dict(logit_bias={"five": 1}), "logit_bias"),
         (dict(logit_bias={"99999999": 1}), "logit_bias"),

@@ -247,7 +247,12 @@ async def _serve(
         for k, (p, i) in enumerate(choices)
     ]
     started = time.perf_counter()
-    streams = await _admit(request, engine, generates)
+    try:
+        streams = await _admit(request, engine, generates)
+    except APIError as error:
+        if error.param == "response_format":  # the engine names the format whichever field gave it
+            error.param = body.grammar_field()
+        raise
     if max_tokens == 0:
         streams = [(stream, _prompt_only(first)) for stream, first in streams]
     metrics = app.state.metrics

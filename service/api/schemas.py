@@ -110,6 +110,32 @@ class ResponseFormat(BaseModel):
         return None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of a JSON schema
+    (``json``), a regular expression (``regex``) or a list of strings the
+    output must be one of (``choice``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[str] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        if sum(field is not None for field in (self.json_schema, self.regex, self.choice)) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex and choice")
+        if self.choice is not None and not all(self.choice):
+            raise ValueError("structured_outputs choices must not be empty")
+        return self
+
+    def grammar(self) -> Grammar:
+        if self.json_schema is not None:
+            return Grammar.json_schema(self.json_schema)
+        if self.regex is not None:
+            return Grammar("regex", self.regex)
+        return Grammar.choice(self.choice or [])
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
@@ -142,6 +168,9 @@ class SamplingFields(BaseModel):
         default=None, description="token id (a string, as JSON keys are) -> bias in [-100, 100] added to its logit"
     )
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="extension (vLLM): a JSON schema, a regex or choices the output must match"
+    )
     user: str | None = None
 
     @field_validator("logit_bias")
@@ -190,12 +219,21 @@ class SamplingFields(BaseModel):
     def _supported(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        formats = (self.response_format and self.response_format.grammar(), self.structured_outputs)
+        if all(formats):
+            raise ValueError("give either a JSON response_format or structured_outputs, not both")
         if self.min_tokens and self.grammar() is not None:
-            raise ValueError("min_tokens cannot be combined with a JSON response_format (it would mask the end)")
+            raise ValueError("min_tokens cannot be combined with structured output (it would mask the end)")
         return self
 
+    def grammar_field(self) -> str:
+        """The field the output's grammar came from (for errors about it)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     def grammar(self) -> Grammar | None:
-        """What the output must match, from ``response_format``."""
+        """What the output must match, from ``response_format`` or ``structured_outputs``."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.grammar()
         return None if self.response_format is None else self.response_format.grammar()
 
 

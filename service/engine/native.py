@@ -336,7 +336,7 @@ class NativeEngine:
             raise InvalidRequestError("structured output needs a fast tokenizer", param="response_format")
         error = await asyncio.to_thread(self.grammars.check, grammar)
         if error is not None:
-            raise InvalidRequestError(f"response_format cannot be matched: {error}", param="response_format")
+            raise InvalidRequestError(f"the output format cannot be matched: {error}", param="response_format")
 
     def abort(self, request_id: str) -> None:
         """Stop a request: a queued one leaves the queue at once (an abandoned
