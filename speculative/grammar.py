@@ -162,9 +162,11 @@ class GrammarMatcher:
         masks = torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
         for i, path in enumerate(paths):
             consumed = self._matcher.try_consume_tokens(list(path))
-            if consumed == len(path) or self._only_ends(path[consumed:]):
-                masks[i] = self.mask()
-            self._matcher.rollback(consumed)
+            try:
+                if consumed == len(path) or self._only_ends(path[consumed:]):
+                    masks[i] = self.mask()
+            finally:
+                self._matcher.rollback(consumed)
         return masks
 
     def _only_ends(self, tokens: Sequence[int]) -> bool:
@@ -182,11 +184,13 @@ class GrammarMatcher:
         refused token through; the positions after it keep the state before it.)"""
         tokens: list[int] = []
         consumed = 0
-        for position in range(length):
-            tokens.append(choose(position, self.mask()))
-            if consumed == position and self._matcher.try_consume_tokens(tokens[-1:]) == 1:
-                consumed += 1
-        self._matcher.rollback(consumed)
+        try:  # a round that raises is retried (``DecodeSession.step``): the row must still be where it was
+            for position in range(length):
+                tokens.append(choose(position, self.mask()))
+                if consumed == position and self._matcher.try_consume_tokens(tokens[-1:]) == 1:
+                    consumed += 1
+        finally:
+            self._matcher.rollback(consumed)
         return tokens
 
     def forced(self, limit: int) -> list[int]:

@@ -149,3 +149,19 @@ def test_a_constrained_row_reports_the_models_own_logprobs(pair, compiler):
     for j, g in enumerate(got):
         assert g.logprob == pytest.approx(reference[j, tokens[j]].item(), abs=1e-4)
     assert min(g.logprob for g in got) < -0.5  # the grammar forced tokens the model alone doubted
+
+
+def test_a_failing_choice_leaves_the_matcher_where_it_was(letters):
+    """``chain`` consumes as it chooses; a round that raises part-way (and is then
+    retried on halves of the batch) must find each row's grammar state unchanged."""
+    matcher = letters.matcher(PAIRS)
+    before = matcher.mask()  # a, b, c or the end; after "a" only b or c
+
+    def choose(position, allowed):
+        if position == 1:
+            raise RuntimeError("the round failed")
+        return int(allowed.nonzero()[0])
+
+    with pytest.raises(RuntimeError):
+        matcher.chain(choose, 4)
+    assert torch.equal(matcher.mask(), before) and before.tolist() == [True, True, True, False, False, True]
