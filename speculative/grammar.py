@@ -70,6 +70,7 @@ class Grammar:
 
 
 GrammarTokenizer = llguidance.LLTokenizer
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bits, lowest first
 
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> GrammarTokenizer:
@@ -144,14 +145,13 @@ class GrammarMatcher:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher, self.vocab_size = matcher, vocab_size
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def mask(self) -> torch.Tensor:
         """The tokens allowed next [V] (bool). A state that allows none (after the
         end of text, which a row never commits past) allows every token, so a
         slot no path can reach never turns its logits all -inf."""
         words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
-        allowed = ((words[:, None] >> self._bits) & 1).flatten()[: self.vocab_size].bool()
+        allowed = ((words[:, None] >> _BIT_SHIFTS) & 1).flatten()[: self.vocab_size].bool()
         return allowed if bool(allowed.any()) else torch.ones_like(allowed)
 
     def path_masks(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:

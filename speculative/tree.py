@@ -63,6 +63,15 @@ class DraftTree:
                 ancestry[slot] |= ancestry[parent]
         return ancestry
 
+    @cached_property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Per slot, the slots on its path after the anchor, in depth order, itself
+        last (() for the anchor): the tokens a slot's prediction follows."""
+        paths: list[tuple[int, ...]] = []
+        for slot, parent in enumerate(self.parents):  # a parent always comes before its children
+            paths.append(() if parent < 0 else (*paths[parent], slot))
+        return tuple(paths)
+
     def visibility(self, device: torch.device) -> torch.Tensor:
         """[q, q] bool: the block slots each slot may attend to (its ancestors and itself)."""
         return self._ancestry.to(device)

@@ -40,6 +40,7 @@ def test_tree_slots_see_only_their_own_path_at_the_depth_they_stand():
         [1, 0, 0, 0, 1, 0],
         [1, 0, 0, 0, 1, 1],
     ]
+    assert tree.paths == ((), (1,), (1, 2), (3,), (4,), (4, 5))  # the slots a slot's prediction follows
     # A chain alone is the plain causal block.
     chain = DraftTree.build(4)
     assert chain.visibility(torch.device("cpu")).equal(torch.ones(4, 4, dtype=torch.bool).tril())
