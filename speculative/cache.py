@@ -6,7 +6,13 @@ On a CPU at batch 48 that copy took 75 % of a decode step of a 30-layer model.
 ``GrowingLayer`` keeps spare capacity instead (doubling when full), writes the
 new slots into it, and hands attention a view of the used part. Anything that
 replaces a layer's tensors (``RaggedBatch`` compaction, merging, row selection)
-assigns ``keys``/``values`` as before; the next append reallocates with room.
+assigns ``keys``/``values`` as before. An assigned tensor the buffer can hold
+(same rows, not far fewer slots: a compaction, every few rounds) is copied into
+it; anything else is kept as it is and the next append reallocates with room.
+Reusing the buffer matters on a CPU: a compaction once freed 60 buffers of a
+30-layer model and the next append allocated 60 new ones of twice the size,
+and glibc's heap fragmented under the churn (a 16-row load's RSS reached
+9 GB with 0.8 GB of caches, docs/LOG.md).
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from transformers.cache_utils import DynamicLayer
 
 MIN_CAPACITY = 64
 """Slots allocated at least when a layer grows."""
+
+MAX_SPARE_RATIO = 4
+"""An assigned tensor is copied into the buffer only while the buffer holds at
+most this many times its slots: past that (a long row left) the buffer goes,
+so that memory comes back."""
 
 
 class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers' CacheLayerMixin.__init_subclass__ is unannotated
@@ -37,7 +48,7 @@ class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transforme
 
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
-        self._keys = tensor
+        self._keys = _kept(self._keys, tensor)
         self._used["keys"] = _slots(tensor)
 
     @property
@@ -47,7 +58,7 @@ class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transforme
 
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
-        self._values = tensor
+        self._values = _kept(self._values, tensor)
         self._used["values"] = _slots(tensor)
 
     def update(
@@ -74,6 +85,32 @@ class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transforme
 def _slots(tensor: torch.Tensor | None) -> int:
     """Slots a tensor assigned to a layer holds (0 for the empty placeholder)."""
     return 0 if tensor is None or tensor.dim() < 3 else tensor.shape[-2]
+
+
+def _kept(buffer: torch.Tensor | None, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """What a layer keeps when ``tensor`` is assigned over ``buffer``: the
+    buffer, holding the tensor in its first slots, where it fits (same rows,
+    heads, head size, dtype and device; at least the tensor's slots and at most
+    ``MAX_SPARE_RATIO`` times them; writable here); else the tensor itself."""
+    if buffer is None or tensor is None or buffer.dim() < 4 or tensor.dim() < 4:
+        return tensor
+    slots, capacity = tensor.shape[-2], buffer.shape[-2]
+    fits = (
+        tensor.shape[:2] == buffer.shape[:2]
+        and tensor.shape[-1] == buffer.shape[-1]
+        and tensor.dtype == buffer.dtype
+        and tensor.device == buffer.device
+        and slots <= capacity <= MAX_SPARE_RATIO * max(slots, MIN_CAPACITY)
+    )
+    # An inference tensor (allocated under ``torch.inference_mode``) cannot be written outside it.
+    if not fits or (buffer.is_inference() and not torch.is_inference_mode_enabled()):
+        return tensor
+    if tensor.data_ptr() == buffer.data_ptr() and tensor.stride() == buffer.stride():
+        return buffer  # the buffer's own first slots (a truncation): nothing to copy
+    if tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+        return tensor  # another view of the buffer: copying would overwrite what it reads
+    buffer[:, :, :slots].copy_(tensor)
+    return buffer
 
 
 def _grown(buffer: torch.Tensor, like: torch.Tensor, used: int, capacity: int) -> torch.Tensor:

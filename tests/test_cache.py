@@ -1,6 +1,6 @@
 """The in-place growing cache layer: same contents as concatenation, no copy of
 the cache on an append that fits, and assignments (compaction, merging, row
-selection) keep working."""
+selection) keep working, a compaction in the buffer it came from."""
 
 import pytest
 import torch
@@ -32,6 +32,69 @@ def test_assigned_tensors_are_kept_and_grown_on_the_next_append():
     kept_k, kept_v = layer.keys.clone(), layer.values.clone()
     all_k, all_v = layer.update(k, v)
     assert torch.equal(all_k, torch.cat([kept_k, k], dim=2)) and torch.equal(all_v, torch.cat([kept_v, v], dim=2))
+
+
+def filled_layer(rows: int, slots: int) -> GrowingLayer:
+    layer = GrowingLayer()
+    layer.update(torch.randn(rows, 2, slots, 4), torch.randn(rows, 2, slots, 4))
+    return layer
+
+
+def test_a_compaction_is_written_into_the_buffer_it_came_from():
+    """Same rows, fewer slots (a compaction's gather): copied into the buffer,
+    and the next append still fits it, so nothing is allocated."""
+    layer = filled_layer(2, 40)  # capacity 80
+    buffer, index = layer._keys.data_ptr(), torch.tensor([0, 3, 4, 9, 30])[None, None, :, None]
+    expected = layer.keys.gather(2, index.expand(2, 2, -1, 4))
+    layer.keys = layer.keys.gather(2, index.expand(2, 2, -1, 4))
+    layer.values = layer.values.gather(2, index.expand(2, 2, -1, 4))
+    assert layer._keys.data_ptr() == buffer and torch.equal(layer.keys, expected)
+    new = torch.randn(2, 2, 3, 4)
+    all_k, _ = layer.update(new, new)
+    assert layer._keys.data_ptr() == buffer and torch.equal(all_k, torch.cat([expected, new], dim=2))
+
+
+def test_a_view_of_the_buffer_is_kept_as_it_is():
+    """A prefix of the buffer (a truncation) stays the buffer; a view further
+    in cannot be copied over the slots it reads, so it is kept as a tensor."""
+    layer = filled_layer(1, 40)
+    buffer, slots = layer._keys.data_ptr(), layer.keys.clone()
+    layer.keys = layer.keys[:, :, :30]
+    assert layer._keys.data_ptr() == buffer and torch.equal(layer.keys, slots[:, :, :30])
+    layer.keys = layer.keys[:, :, 10:]
+    assert torch.equal(layer.keys, slots[:, :, 10:30])
+
+
+def test_a_much_smaller_or_reshaped_assignment_lets_the_buffer_go():
+    """Far fewer slots than the buffer holds (a long row left and the rest
+    were compacted), or other rows (row selection, merging): the tensor itself
+    is kept, so the old buffer's memory is freed."""
+    layer = filled_layer(2, 200)  # capacity 400
+    buffer = layer._keys.data_ptr()
+    short = layer.keys[:, :, -20:].clone()
+    layer.keys = short
+    assert layer._keys.data_ptr() == short.data_ptr() != buffer
+    layer = filled_layer(2, 40)
+    buffer = layer._keys.data_ptr()
+    first = layer.keys[[0]]
+    layer.keys = first
+    assert layer._keys.data_ptr() == first.data_ptr() != buffer and layer.keys.shape == (1, 2, 40, 4)
+
+
+def test_a_buffer_made_under_inference_mode_is_only_reused_under_it():
+    """The decode step allocates its caches under ``torch.inference_mode``;
+    merging and row selection assign outside it, where such a buffer cannot be
+    written: the tensor is kept there, and a compaction inside reuses the buffer."""
+    with torch.inference_mode():
+        layer = filled_layer(2, 40)
+    buffer, kept = layer._keys.data_ptr(), layer.keys[:, :, :20].clone()
+    layer.keys = kept
+    assert layer._keys.data_ptr() == kept.data_ptr() != buffer
+    with torch.inference_mode():
+        layer = filled_layer(2, 40)
+        buffer = layer._keys.data_ptr()
+        layer.keys = layer.keys[:, :, 10:].clone()
+    assert layer._keys.data_ptr() == buffer
 
 
 def test_keys_and_values_of_different_lengths_are_refused():
