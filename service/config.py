@@ -39,7 +39,8 @@ class ServeSettings(BaseSettings):
         default=16384,
         ge=0,
         description="native engine: admit a request only while the batch, padded to its longest row, holds at most "
-        "this many cache slots with it (rows x longest row; a lone request always fits; 0: no limit)",
+        "this many cache slots with it (rows x longest row; a lone request always fits), and preempt the latest "
+        "admitted while growing rows would pass it (resumed exactly, later); 0: no limit",
     )
     max_waiting: int = Field(default=64, ge=0, description="requests queued before 429")
     max_request_bytes: int = Field(

@@ -35,6 +35,7 @@ PROMPT_TOKENS = "dflash_prompt_tokens"
 GENERATION_TOKENS = "dflash_generation_tokens"
 REQUESTS = "dflash_requests"
 REFUSED_REQUESTS = "dflash_refused_requests"
+PREEMPTIONS = "dflash_preemptions"
 TIME_TO_FIRST_TOKEN = "dflash_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "dflash_inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "dflash_e2e_request_latency_seconds"
@@ -68,6 +69,7 @@ METRIC_NAMES = frozenset(
         GENERATION_TOKENS,
         REQUESTS,
         REFUSED_REQUESTS,
+        PREEMPTIONS,
         TIME_TO_FIRST_TOKEN,
         INTER_TOKEN_LATENCY,
         E2E_REQUEST_LATENCY,

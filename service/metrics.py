@@ -35,6 +35,9 @@ counts steps only.
 Refused requests per second by reason (queue_full = 429, draining = 503,
 invalid = 400, ...):
     sum by (reason) (rate(dflash_refused_requests_total[1m]))
+Requests preempted per second (taken out of a batch that would pass
+``--max-batch-slots``, resumed later by prefilling their text):
+    rate(dflash_preemptions_total[5m])
 Step time by block size and batch bucket (the controller's cost model):
     rate(dflash_step_seconds_sum[5m]) / rate(dflash_step_seconds_count[5m])
 """
@@ -262,6 +265,9 @@ class Metrics:
         self.refused = Counter(
             names.REFUSED_REQUESTS, "Requests refused before decoding, by reason", ["reason"], registry=r
         )
+        self.preemptions = Counter(
+            names.PREEMPTIONS, "Requests preempted to keep the batch within its cache slots", registry=r
+        )
         self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN, "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(
             names.INTER_TOKEN_LATENCY,
@@ -331,6 +337,9 @@ class Metrics:
         """Account a prefill that left ``batch_size`` rows running (its joining
         requests' first tokens included)."""
         self.prefill_seconds.labels(batch_bucket(batch_size)).inc(seconds)
+
+    def observe_preemptions(self, requests: int) -> None:
+        self.preemptions.inc(requests)
 
     def observe_profile_step(self, stats: RoundStats, seconds: float) -> None:
         """Account a start-up profile step: its time (the controller's first

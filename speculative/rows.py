@@ -19,7 +19,9 @@ class Rows:
     """Per-row state in batch order: caller's key, current anchor, sampling,
     the token history the repetition penalties read, the n-gram index
     lookup proposes from (None where the session does not look up), and the
-    grammar matcher of a row with structured output (else None)."""
+    grammar matcher of a row with structured output (else None), and the
+    tokens each row's caches hold (its prompt and what it emitted before its
+    anchor: what a preempted row prefills again, ``DecodeSession.preempt``)."""
 
     keys: list[Hashable]
     anchors: torch.Tensor
@@ -29,6 +31,7 @@ class Rows:
     generated: list[int]  # tokens each row has emitted (what min_tokens counts)
     ngrams: list[NgramIndex | None]
     grammars: list[GrammarMatcher | None]
+    cached: list[list[int]]
 
     def select(self, index: list[int]) -> None:
         rows = torch.tensor(index, dtype=torch.long, device=self.anchors.device)
@@ -39,6 +42,7 @@ class Rows:
         self.generated = [self.generated[i] for i in index]
         self.ngrams = [self.ngrams[i] for i in index]
         self.grammars = [self.grammars[i] for i in index]
+        self.cached = [self.cached[i] for i in index]
         self.history.select(rows)
 
     def subset(self, index: list[int]) -> Rows:
@@ -52,7 +56,8 @@ class Rows:
         generated = [self.generated[i] for i in index]
         ngrams = [self.ngrams[i] for i in index]
         grammars = [self.grammars[i] for i in index]
-        return Rows(keys, self.anchors[rows], params, generators, history, generated, ngrams, grammars)
+        cached = [list(self.cached[i]) for i in index]
+        return Rows(keys, self.anchors[rows], params, generators, history, generated, ngrams, grammars, cached)
 
     def extend(self, other: Rows) -> None:
         self.keys += other.keys
@@ -62,4 +67,5 @@ class Rows:
         self.generated += other.generated
         self.ngrams += other.ngrams
         self.grammars += other.grammars
+        self.cached += other.cached
         self.history.extend(other.history)

@@ -128,6 +128,18 @@ class PartialPrefill:
     scored: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PreemptedRow:
+    """A row ``DecodeSession.preempt`` took out, its caches freed: its state, one row."""
+
+    state: Rows
+
+    @property
+    def tokens(self) -> list[int]:
+        """What its caches held, to prefill again: its prompt and what it emitted before its anchor."""
+        return self.state.cached[0]
+
+
 class DecodeSession:
     """Rows decoding together: ``add`` prefills new rows, ``step`` runs one round
     for all of them, ``remove`` frees finished rows' caches."""
@@ -176,6 +188,7 @@ class DecodeSession:
             [],
             [],
             TokenHistory.from_prompts([], target.vocab_size, target.device),
+            [],
             [],
             [],
             [],
@@ -335,7 +348,8 @@ class DecodeSession:
             NgramIndex([*p, t], table if s.temperature == 0 else None) if self.lookup else None
             for p, t, s in zip(prompts, first.tolist(), sampling, strict=True)
         ]
-        rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys), ngrams, grammars)
+        cached = [list(p) for p in prompts]
+        rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys), ngrams, grammars, cached)
         if self.batch is None:
             self.batch = batch
         else:
@@ -356,6 +370,35 @@ class DecodeSession:
         else:
             self._deferred.clear()
             self.batch = None
+
+    def preempt(self, keys: Sequence[Hashable]) -> dict[Hashable, PreemptedRow]:
+        """Take these rows out of the batch and free their caches, keeping all else
+        they decode with (anchor, sampling, random generator, penalty history,
+        grammar state, n-gram index, tokens emitted). To continue one, rebuild its
+        caches from ``PreemptedRow.tokens`` (``start_prefill``, ``prefill_chunk``)
+        and ``resume`` it: it decodes on exactly as if it had never left. This is
+        preemption by recomputation (vLLM's, SGLang's retraction): a prefill of
+        the row's text later instead of its caches held meanwhile."""
+        leaving = set(keys)
+        state = self.rows.subset([i for i, key in enumerate(self.rows.keys) if key in leaving])
+        self.remove(keys)
+        return {key: PreemptedRow(state.subset([i])) for i, key in enumerate(state.keys)}
+
+    def resume(self, part: PartialPrefill, row: PreemptedRow) -> None:
+        """Rejoin a preempted ``row`` whose caches ``part`` has rebuilt to the end.
+        Its anchor was drawn before it left, so the prefill's last logits go unused."""
+        if part.done < len(part.prompt) or part.joined:
+            raise ValueError("the row's caches are not rebuilt yet, or have joined already")
+        if part.prompt != row.tokens:
+            raise ValueError("the prefilled tokens are not the preempted row's")
+        self._check_new(row.state.keys, [])
+        self._flush_context()
+        if self.batch is None:
+            self.batch = part.batch
+        else:
+            self.batch.merge(part.batch)
+        self.rows.extend(row.state)
+        part.joined = True
 
     def split(self, keys: Sequence[Hashable]) -> DecodeSession:
         """Move the rows ``keys`` (caches, anchors, sampling and penalty state)
@@ -448,10 +491,11 @@ class DecodeSession:
         self._commit(kept, positions, verified.features, block_size)
         t2 = _clock(device)
 
+        verified_tokens = block.tolist()
         emitted = {
             key: [*(t for t, k in zip(row[1:], keep[1:], strict=True) if k), following]
             for key, row, keep, following in zip(
-                self.rows.keys, block.tolist(), kept.tolist(), verdict.next_token.tolist(), strict=True
+                self.rows.keys, verified_tokens, kept.tolist(), verdict.next_token.tolist(), strict=True
             )
         }
         logprobs = self._logprobs(verified.logits, kept, emitted)
@@ -465,6 +509,9 @@ class DecodeSession:
         for index, tokens in zip(self.rows.ngrams, emitted.values(), strict=True):
             if index is not None:
                 index.extend(tokens)
+        # The caches took the anchor and the accepted path; the last emitted token is the next anchor.
+        for cached, row, tokens in zip(self.rows.cached, verified_tokens, emitted.values(), strict=True):
+            cached += [row[0], *tokens[:-1]]
         stats = _round_stats(verdict, tree, t1 - t0, t2 - t1)
         stats.logprobs = logprobs
         return stats, emitted

@@ -75,7 +75,7 @@ def make_server(
     machine is (the real steps must stay cheaper than the model);
     ``prefill_cost`` does the same for every prefill."""
     root, target, draft, tokenizer = model
-    engine_keys = ("max_batch_size", "max_waiting", "plain_reference_every")
+    engine_keys = ("max_batch_size", "max_waiting", "plain_reference_every", "max_batch_slots")
     engine_config = {k: settings[k] for k in engine_keys if k in settings}  # the settings keep them too
     metrics = Metrics()
 
@@ -93,7 +93,13 @@ def make_server(
         metrics.observe_prefill(batch_size, seconds)
 
     engine = NativeEngine(
-        target, draft, tokenizer, NativeEngineConfig(**engine_config), on_step=on_step, on_prefill=on_prefill
+        target,
+        draft,
+        tokenizer,
+        NativeEngineConfig(**engine_config),
+        on_step=on_step,
+        on_prefill=on_prefill,
+        on_preempt=metrics.observe_preemptions,
     )
     metrics.declare_blocks(ControllerSettings(max_block_size=engine.max_block_size).allowed)
     for stats, seconds in engine.profile_steps(profile_batch_sizes, steps=4) if profile_batch_sizes else ():

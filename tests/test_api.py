@@ -2,6 +2,7 @@
 ``openai`` client (and raw HTTP where the client cannot send the bad input)."""
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import threading
@@ -21,7 +22,7 @@ from speculative.chat import user_prompt_ids
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.grammar import Grammar, compiler_for
 from speculative.sampling import GREEDY, SamplingParams
-from speculative.session import RoundStats
+from speculative.session import DecodeSession, RoundStats
 
 
 @pytest.fixture(scope="module")
@@ -744,6 +745,47 @@ def test_a_body_past_the_limit_is_413_before_parsing_and_the_server_serves_on(mo
         assert whole.status_code == pieces.status_code == 200
         assert whole.json()["choices"][0]["text"] == pieces.json()["choices"][0]["text"]
         assert metric_values(url, "dflash_refused_requests_total", "reason") == {"too_large": 2}
+
+
+def test_streams_preempted_to_keep_the_slot_budget_get_the_offline_text(model):
+    """Four streamed completions under a 150-slot budget: the first prefill is
+    held until all four are in the engine, so they decode together; as they grow
+    the latest are preempted and resumed (counted in
+    ``dflash_preemptions_total``), and each stream's text is still the offline
+    greedy text."""
+    live, engine = make_server(model, max_batch_slots=150)
+    _, target, draft, _ = model
+    release = threading.Event()
+
+    class HeldFirstPrefill(DecodeSession):
+        def add(self, keys, prompts, sampling):
+            release.wait(60)
+            return super().add(keys, prompts, sampling)
+
+    engine.session = HeldFirstPrefill(target, draft)
+    prompts = [[5 + i, 40, 41, 42, 43] for i in range(4)]
+    with live as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        def stream(prompt):
+            chunks = client.completions.create(model="target", prompt=prompt, max_tokens=40, temperature=0, stream=True)
+            return "".join(chunk.choices[0].text for chunk in chunks)
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(stream, prompt) for prompt in prompts]
+            in_engine = ("dflash_running_requests", "dflash_waiting_requests")
+            wait_until(lambda: sum(metric_value(url, name) for name in in_engine) == len(prompts))
+            release.set()
+            texts = [future.result() for future in futures]
+        preemptions = metric_value(url, "dflash_preemptions_total")
+    assert preemptions >= 1
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text == greedy_text(model, prompt, 40)[0]
+
+
+def metric_value(url: str, name: str) -> float:
+    families = text_string_to_metric_families(httpx2.get(url + "/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
 
 
 class EncodingThreads:

@@ -417,6 +417,42 @@ def test_a_request_that_would_pad_the_batch_past_its_slots_waits(pair, budget):
         assert ids == greedy(target, request.prompt_ids, 5)
 
 
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_rows_growing_past_the_slot_budget_are_preempted_and_resume_exactly(pair, chunk):
+    """Three greedy requests and a seeded sampled one decoding 40 tokens under
+    a 130-slot budget: they are admitted together (4 x (6 + 8) slots), and as
+    they grow the latest admitted rows are preempted before each round would
+    pass the budget, then rebuilt from their text (whole or in chunks) and
+    resumed once rows have left. No round runs past the budget, and every
+    request gets what it gets with no budget: the target's greedy tokens, the
+    sampled one its draws alone."""
+    target, draft, tokenizer = pair
+    policy = BlockPolicy.fixed(4)
+    budget = 130
+    config = NativeEngineConfig(max_batch_size=4, policy=policy, prefill_chunk=chunk, max_batch_slots=budget)
+    preempted = []
+    engine = NativeEngine(target, draft, tokenizer, config, on_preempt=preempted.append)
+    padded, step = [], engine.session.step
+
+    def spy(b):
+        padded.append(len(engine.session) * (int(engine.session.batch.lengths.max()) + 1 + draft.block_size))
+        return step(b)
+
+    engine.session.step = spy
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    requests = [GenerateRequest(f"r{i}", p, 40) for i, p in enumerate(prompts(3))]
+    requests.append(GenerateRequest("s", prompts(4)[3], 40, sampled))
+    results = collect_queued(engine, requests)
+    alone = NativeEngine(target, draft, tokenizer, NativeEngineConfig(policy=policy))
+    ((_, sampled_alone, _),) = collect_queued(alone, [requests[-1]])
+    assert sum(preempted) >= 2 and budget - 16 < max(padded) <= budget
+    for (deltas, ids, text), request in zip(results, requests, strict=True):
+        expected = sampled_alone if request.sampling.temperature else greedy(target, request.prompt_ids, 40)
+        assert ids == expected and text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 40
+    assert engine.session.batch is None and engine.stats().running == engine.stats().waiting == 0
+
+
 def test_a_lone_request_fits_any_slot_budget(pair):
     target, draft, tokenizer = pair
     config = NativeEngineConfig(max_batch_size=4, policy=BlockPolicy.fixed(4), prefill_chunk=0, max_batch_slots=1)

@@ -281,3 +281,72 @@ def test_draft_vocabulary_proposals_equal_the_full_vocabularys_choice(qwen_pair)
         assert q is None and torch.equal(drafts, full.argmax(-1))
         assert torch.equal(alternates, full[:, 0].topk(4).indices[:, 1:])
         assert torch.isin(torch.cat([drafts, alternates], 1), draft.draft_vocab_ids).all()
+
+
+def test_a_preempted_row_resumes_exactly_where_it_left(qwen_pair):
+    """Rows taken out mid-decode (``preempt``: caches freed), rebuilt a few
+    tokens at a time from the tokens their caches held while the others decode,
+    and resumed, emit exactly what they emit never taken out: a greedy row, a
+    seeded sampled one with penalties, one whose own text feeds lookup paths.
+    The caches held the prompt and every emitted token before the anchor."""
+    target, draft = qwen_pair
+    prompts = [*random_prompts(3, seed=47, min_len=6, max_len=14), [5, 6, 7, 5, 6, 7, 5, 6]]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=3, presence_penalty=0.5),
+        SamplingParams(temperature=0.8, seed=4),
+        SamplingParams(),
+    ]
+    keys = list(range(len(prompts)))
+    left_at: dict = {}
+
+    def decode(preempting: bool) -> dict:
+        session = DecodeSession(target, draft, branches=4, lookup=4)
+        outputs = {k: [t] for k, t in session.add(keys, prompts, params).items()}
+        for round_ in range(12):  # one block size throughout: sampled rows draw as they would alone
+            if preempting and round_ == 3:
+                taken = session.preempt([1, 3])
+                left_at.update({key: len(outputs[key]) for key in taken})
+                assert sorted(taken) == [1, 3] and session.rows.keys == [0, 2]
+                for key, row in taken.items():
+                    assert row.tokens == prompts[key] + outputs[key][:-1]
+                parts = {key: session.start_prefill(row.tokens) for key, row in taken.items()}
+            for key, part in list(parts.items()) if preempting and round_ >= 3 else ():
+                if session.prefill_chunk(part, 5):
+                    session.resume(part, taken[key])
+                    del parts[key]
+            for key, tokens in session.step(4)[1].items():
+                outputs[key] += tokens
+            if preempting and round_ == 3:
+                assert set(outputs) - set(session.rows.keys) == {1, 3}  # still rebuilding
+        assert sorted(session.rows.keys) == keys
+        for key, cached in zip(session.rows.keys, session.rows.cached, strict=True):
+            assert cached == prompts[key] + outputs[key][:-1]
+        return outputs
+
+    kept, preempted = decode(False), decode(True)
+    shortest = min(map(len, preempted.values()))
+    for key in keys:
+        assert preempted[key][:shortest] == kept[key][:shortest], key
+    assert all(len(preempted[key]) >= at + 5 for key, at in left_at.items())  # resumed rows decoded on
+    assert preempted[0] == reference_greedy(target, prompts[0], len(preempted[0]))
+
+
+def test_resume_refuses_a_row_not_rebuilt(qwen_pair):
+    target, draft = qwen_pair
+    session = DecodeSession(target, draft)
+    session.add(["a", "b"], random_prompts(2, seed=53, min_len=8, max_len=8), [SamplingParams()] * 2)
+    session.step(4)
+    row = session.preempt(["a"])["a"]
+    part = session.start_prefill(row.tokens)
+    with pytest.raises(ValueError, match="not rebuilt"):
+        session.resume(part, row)
+    other = session.start_prefill(row.tokens[:-1])
+    session.prefill_chunk(other, 100)
+    with pytest.raises(ValueError, match="not the preempted row's"):
+        session.resume(other, row)
+    session.prefill_chunk(part, 100)
+    session.resume(part, row)
+    assert sorted(session.rows.keys) == ["a", "b"]
+    with pytest.raises(ValueError, match="joined already"):
+        session.resume(part, row)

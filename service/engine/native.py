@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import math
 import os
@@ -51,7 +52,14 @@ from speculative.grammar import Grammar, compiler_for
 from speculative.logprobs import TokenLogprob
 from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
-from speculative.session import DEFAULT_COMPACT_SLACK, DecodeSession, PartialPrefill, Proposal, RoundStats
+from speculative.session import (
+    DEFAULT_COMPACT_SLACK,
+    DecodeSession,
+    PartialPrefill,
+    PreemptedRow,
+    Proposal,
+    RoundStats,
+)
 from speculative.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -84,7 +92,8 @@ class NativeEngineConfig:
     no limit). Sixteen rows beside one of 7,800 tokens peaked at 7.4 GB on
     SmolLM2 (docs/LOG.md), past the CPU pod's 4 GiB limit: one long request
     would have had every request killed with the pod. Rows grow as they
-    decode, so it is a bound at admission, not a hard cap.
+    decode: before each round, while the batch would pass the budget after
+    it, the latest admitted row is preempted (``NativeEngine._make_room``).
     ``release_memory_after_s``: once the engine has sat idle that long after
     work, the C heap's freed pages go back to the OS (``service.engine.heap``);
     0: never."""
@@ -155,6 +164,13 @@ class _Job:
     generated: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     aborted: bool = False
+    admitted: int = 0  # admission order: the latest admitted is preempted first
+    preempted: PreemptedRow | None = None  # taken out of the batch to make room, waiting to resume
+
+    @property
+    def width(self) -> int:
+        """Cache slots its row holds (or will on joining): its prompt and the tokens it generated."""
+        return len(self.request.prompt_ids) + self.generated
 
     def send(self, delta: Delta) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, delta)
@@ -171,6 +187,7 @@ class NativeEngine:
         config: NativeEngineConfig | None = None,
         on_step: collections.abc.Callable[[RoundStats, float, int], None] | None = None,
         on_prefill: collections.abc.Callable[[int, float], None] | None = None,
+        on_preempt: collections.abc.Callable[[int], None] | None = None,
     ) -> None:
         config = config or NativeEngineConfig()
         # Structured output (``SamplingParams.grammar``); None where the tokenizer is not a fast one.
@@ -186,13 +203,14 @@ class NativeEngine:
             grammars=self.grammars,
         )
         self.target, self.tokenizer, self.config = target, tokenizer, config
-        self.on_step, self.on_prefill = on_step, on_prefill
+        self.on_step, self.on_prefill, self.on_preempt = on_step, on_prefill, on_preempt
         self._policy = config.policy or BlockPolicy.fixed(self.session.max_block_size)
         check_policy(self._policy, self.session.max_block_size)
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: dict[Hashable, _Job] = {}  # by request id: the session's row key
         self._chunking: collections.deque[tuple[_Job, PartialPrefill]] = collections.deque()  # long prompts
         self._prefilling = 0  # admitted, not yet running: they count against the queue limit
+        self._admissions = itertools.count()
         self._lock = threading.Condition()
         self._draining = False
         self._stopped = False
@@ -241,7 +259,15 @@ class NativeEngine:
             max_batch_slots=settings.max_batch_slots,
             release_memory_after_s=settings.release_memory_after_s,
         )
-        return cls(target, draft, tokenizer, config, on_step=metrics.observe_step, on_prefill=metrics.observe_prefill)
+        return cls(
+            target,
+            draft,
+            tokenizer,
+            config,
+            on_step=metrics.observe_step,
+            on_prefill=metrics.observe_prefill,
+            on_preempt=metrics.observe_preemptions,
+        )
 
     # ------------------------------------------------------------------ control
 
@@ -391,6 +417,7 @@ class NativeEngine:
                 if self._chunking:
                     self._prefill_chunk()
                 if self._running:
+                    self._make_room()
                     self._step(policy)
             except Exception:  # a failure outside the isolated prefill and round must not leave requests hanging
                 log.exception("scheduler iteration failed; failing its requests")
@@ -428,31 +455,71 @@ class NativeEngine:
         call's many choices share the batch with later calls instead of holding
         it until they finish. With single-request groups: first come, first served.
         The next request waits while admitting it would pad the batch's caches
-        beyond ``max_batch_slots`` (``_within_slots``)."""
+        beyond ``max_batch_slots`` (``_fits``); a preempted request waits at the
+        front, and resumes once its text (prompt and generated) fits."""
         free = self.config.max_batch_size - len(self._running) - len(self._chunking)
         batch = [*self._running.values(), *(job for job, _ in self._chunking)]
         in_batch = collections.Counter(job.request.group_key for job in batch)
-        widths = [len(job.request.prompt_ids) + job.generated for job in batch]
+        widths = [job.width for job in batch]
         admitted = []
         while self._waiting and free > 0:
             job = min(self._waiting, key=lambda waiting: in_batch[waiting.request.group_key])
-            if not job.aborted and not self._within_slots([*widths, len(job.request.prompt_ids)]):
+            if not job.aborted and not self._fits([*widths, job.width]):
                 break
             self._waiting.remove(job)
             if job.aborted:
                 job.send(Delta("", (), "abort"))
                 continue
-            widths.append(len(job.request.prompt_ids))
+            widths.append(job.width)
+            job.admitted = next(self._admissions)
             admitted.append(job)
             in_batch[job.request.group_key] += 1
             free -= 1
         return admitted
 
-    def _within_slots(self, widths: list[int]) -> bool:
-        """Whether rows of these committed lengths, padded to the longest, fit
-        ``max_batch_slots`` (a lone row always does)."""
+    def _fits(self, widths: list[int]) -> bool:
+        """Whether rows of these widths, padded to the longest, still fit
+        ``max_batch_slots`` after one more round of the largest block (a lone
+        row always does). Admission and preemption ask the same question, so a
+        preempted row waits until a row has left, not one round."""
         budget = self.config.max_batch_slots
-        return not budget or len(widths) == 1 or len(widths) * max(widths) <= budget
+        grown = max(widths, default=0) + self.session.max_block_size
+        return not budget or len(widths) <= 1 or len(widths) * grown <= budget
+
+    def _make_room(self) -> None:
+        """Preempt the latest admitted requests while the batch (with the long
+        prompts still prefilling) would pass ``max_batch_slots`` after the next
+        round: rows grow as they decode, which the check at admission cannot
+        bound. A running row leaves with all it decoded with
+        (``DecodeSession.preempt``) and its caches freed; a prefilling prompt
+        drops its chunks. Each goes back to the front of the queue in admission
+        order and resumes by prefilling its text once it fits again: its
+        stream pauses, its output is what it would have been. The earliest
+        admitted request is never preempted, so the batch always progresses."""
+        if not self.config.max_batch_slots:
+            return
+        with self._lock:
+            held = sorted([*self._running.values(), *(job for job, _ in self._chunking)], key=lambda j: j.admitted)
+            leaving: list[_Job] = []
+            while len(held) > 1 and not self._fits([job.width for job in held]):
+                leaving.append(held.pop())
+        if not leaving:
+            return
+        rows = {job.request.request_id for job in leaving} & set(self._running)
+        for key, row in self.session.preempt(list(rows)).items():
+            self._running[key].preempted = row
+        with self._lock:
+            chunked = [job for job in leaving if job.request.request_id not in rows]
+            self._chunking = collections.deque(e for e in self._chunking if all(e[0] is not j for j in chunked))
+            self._prefilling -= len(chunked)
+            for job in leaving:  # latest first: the earliest ends up at the front
+                self._running.pop(job.request.request_id, None)
+                self._waiting.appendleft(job)
+        log.info(
+            "preempted %d request(s) to keep the batch within %d cache slots", len(leaving), self.config.max_batch_slots
+        )
+        if self.on_preempt is not None:
+            self.on_preempt(len(leaving))
 
     def _prefill(self, jobs: list[_Job]) -> None:
         """Prefill ``jobs``; prompts longer than ``prefill_chunk`` go to
@@ -468,7 +535,7 @@ class NativeEngine:
         plain: list[_Job] = []
         scoring: list[_Job] = []
         for job in jobs:
-            if chunk and len(job.request.prompt_ids) > chunk:
+            if job.preempted is not None or (chunk and len(job.request.prompt_ids) > chunk):
                 self._start_chunked(job)
             else:
                 (plain if job.request.sampling.prompt_logprobs is None else scoring).append(job)
@@ -510,11 +577,20 @@ class NativeEngine:
     def _start_chunked(self, job: _Job) -> None:
         """Queue a long prompt for ``_prefill_chunk``, sharing the prefill of an
         identical one already queued (an API call's choices, which ask for the same
-        prompt log-probabilities); only it fails if starting fails."""
-        prompt, top = list(job.request.prompt_ids), job.request.sampling.prompt_logprobs
-        shared = next(
-            (part for _, part in self._chunking if part.prompt == prompt and part.prompt_logprobs == top), None
-        )
+        prompt log-probabilities); only it fails if starting fails. A preempted
+        request's caches are rebuilt the same way, from its text, never shared."""
+        if job.preempted is not None:
+            prompt, top, shared = job.preempted.tokens, None, None
+        else:
+            prompt, top = list(job.request.prompt_ids), job.request.sampling.prompt_logprobs
+            shared = next(
+                (
+                    part
+                    for queued, part in self._chunking
+                    if queued.preempted is None and part.prompt == prompt and part.prompt_logprobs == top
+                ),
+                None,
+            )
         try:
             part = shared or self.session.start_prefill(prompt, top)
         except Exception:
@@ -531,11 +607,17 @@ class NativeEngine:
         part = self._chunking[0][1]
         sharing = [job for job, shared in self._chunking if shared is part]
         keys = [job.request.request_id for job in sharing]
+        resuming = sharing[0].preempted
         started = time.perf_counter()
+        first: dict[Hashable, int] | None = None  # the joined rows' first tokens; None: not done yet
         try:
-            done = self.session.prefill_chunk(part, self.config.prefill_chunk)
-            samplings = [job.request.sampling for job in sharing]
-            first = self.session.add_prefilled(keys, part, samplings) if done else None
+            done = self.session.prefill_chunk(part, self.config.prefill_chunk or len(part.prompt))
+            if done and resuming is not None:
+                self.session.resume(part, resuming)
+                sharing[0].preempted = None
+                first = {}
+            elif done:
+                first = self.session.add_prefilled(keys, part, [job.request.sampling for job in sharing])
         except Exception:
             self._unqueue(part)
             for job in sharing:
@@ -547,7 +629,8 @@ class NativeEngine:
             with self._lock:
                 self._running.update(zip(keys, sharing, strict=True))
                 self._prefilling -= len(sharing)
-            self._deliver_first(first)
+            if first:  # a resumed row drew its next token before it left
+                self._deliver_first(first)
         if self.on_prefill is not None:
             self.on_prefill(rows, time.perf_counter() - started)
 
