@@ -17,7 +17,7 @@ from service.engine import (
     NativeEngineConfig,
     QueueFullError,
 )
-from service.engine.native import decode_threads, usable_cpus
+from service.engine.native_config import decode_threads, usable_cpus
 from speculative.batch import prefill_groups
 from speculative.decode import DecodeConfig, spec_generate
 from speculative.sampling import SamplingParams
@@ -451,6 +451,56 @@ def test_rows_growing_past_the_slot_budget_are_preempted_and_resume_exactly(pair
         assert ids == expected and text == tokenizer.decode(ids, skip_special_tokens=True)
         assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 40
     assert engine.session.batch is None and engine.stats().running == engine.stats().waiting == 0
+
+
+def test_a_preempted_request_resumes_before_requests_that_came_after_it(pair):
+    """Three choices of one call decode plainly (a token a round, so the
+    timeline is fixed) under a 120-slot budget; the third is preempted when the
+    rows pass 24 tokens, and a new request arrives at that moment. When the
+    first choice finishes, the preempted one resumes before the newcomer, even
+    though fair admission favours a call with fewer rows in the batch, and only
+    one of them fits beside the second choice."""
+    target, draft, tokenizer = pair
+    config = NativeEngineConfig(max_batch_size=4, policy=BlockPolicy.fixed(1), prefill_chunk=0, max_batch_slots=120)
+    lengths = {"r0": 30, "r1": 40, "r2": 30}
+    requests = [GenerateRequest(k, p, n, group="g") for (k, n), p in zip(lengths.items(), prompts(3), strict=True)]
+    newcomer = GenerateRequest("new", prompts(4)[3], 10)
+    arrived = threading.Event()
+    holder: dict = {}
+
+    def on_preempt(_count: int) -> None:  # on the scheduler thread, before the next admission
+        if not arrived.is_set():
+            holder["loop"].call_soon_threadsafe(holder["go"].set)
+            arrived.wait(timeout=60)
+
+    engine = NativeEngine(target, draft, tokenizer, config, on_preempt=on_preempt)
+    order, prefill = [], engine._prefill
+    engine._prefill = lambda jobs: (order.extend(job.request.request_id for job in jobs), prefill(jobs))[1]
+
+    async def late():
+        await holder["go"].wait()
+        task = asyncio.create_task(collect(engine, newcomer))
+        while engine.stats().waiting < 2:  # the preempted choice and the newcomer
+            await asyncio.sleep(0.001)
+        arrived.set()
+        return await task
+
+    async def main():
+        holder["loop"], holder["go"] = asyncio.get_running_loop(), asyncio.Event()
+        calls = [asyncio.create_task(collect(engine, r)) for r in requests]
+        later = asyncio.create_task(late())
+        while engine.stats().waiting < len(requests):
+            await asyncio.sleep(0.01)
+        engine.start()
+        return await asyncio.gather(*calls, later)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert arrived.is_set() and order[:3] == ["r0", "r1", "r2"] and order[3:5] == ["r2", "new"]
+    for (_, ids, _), request in zip(results, [*requests, newcomer], strict=True):
+        assert ids == greedy(target, request.prompt_ids, request.max_tokens)
 
 
 def test_a_lone_request_fits_any_slot_budget(pair):

@@ -3,7 +3,8 @@ when chosen (the SGLang engine pulls in CUDA-only packages)."""
 
 import importlib
 
-from service.engine.native import NativeEngine, NativeEngineConfig
+from service.engine.native import NativeEngine
+from service.engine.native_config import NativeEngineConfig
 from service.engine.types import (
     BlockPolicy,
     Delta,

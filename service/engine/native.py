@@ -19,18 +19,18 @@ import collections
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from service.config import ServeSettings
 from service.engine.heap import heap_release
+from service.engine.native_config import NativeEngineConfig, decode_threads, usable_cpus
 from service.engine.profile import profile_step_times
+from service.engine.slots import fits, preempted
 from service.engine.text import Decoder, TextStream
 from service.engine.types import (
     BlockPolicy,
@@ -52,105 +52,10 @@ from speculative.grammar import Grammar, compiler_for
 from speculative.logprobs import TokenLogprob
 from speculative.policy import Turns, check_policy
 from speculative.precision import choose_dtype
-from speculative.session import (
-    DEFAULT_COMPACT_SLACK,
-    DecodeSession,
-    PartialPrefill,
-    PreemptedRow,
-    Proposal,
-    RoundStats,
-)
+from speculative.session import DecodeSession, PartialPrefill, PreemptedRow, RoundStats
 from speculative.target import TargetModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NativeEngineConfig:
-    """Scheduler settings: rows decoded together at most, requests waiting at most,
-    the initial block-size policy (None: the draft's trained block at every batch
-    size), cache compaction slack (slots), draft proposals.
-    ``plain_reference_every`` N: every N-th drafting step of an all-greedy batch
-    runs as plain decoding (b = 1) instead, so the achieved speedup compares
-    against plain steps timed at the same moment, batch and contexts (a start-up
-    profile runs short random prompts on an idle process: on the bundled pair
-    its plain steps took 7 ms against 16 ms served). Greedy output is the same
-    under any blocks; a sampled row's draws are not, so a batch with one runs no
-    reference step and every request decodes what it decodes alone; 0: never.
-    ``threads``: intra-op threads of the scheduler thread's torch ops (0: leave
-    torch's setting; ``decode_threads`` picks the service's default).
-    ``branches``: candidates verified for the first drafted slot
-    (``DecodeSession``; 1: the draft's chain alone). ``lookup``: n-gram
-    lookup tokens verified beside the draft (``DecodeSession``; 0: none),
-    continued from the draft's n-gram table with ``lookup_table``.
-    ``prefill_chunk``: a prompt longer than this many tokens is prefilled
-    that many at a time, one chunk between two steps, so it stalls the
-    running streams for a chunk at a time (0: whole prompts).
-    ``max_batch_slots``: the batch's caches are padded to its longest row, so
-    they hold rows x longest-row slots; a waiting request is admitted only
-    while that, with it, stays within this many (a lone request always is; 0:
-    no limit). Sixteen rows beside one of 7,800 tokens peaked at 7.4 GB on
-    SmolLM2 (docs/LOG.md), past the CPU pod's 4 GiB limit: one long request
-    would have had every request killed with the pod. Rows grow as they
-    decode: before each round, while the batch would pass the budget after
-    it, the latest admitted row is preempted (``NativeEngine._make_room``).
-    ``release_memory_after_s``: once the engine has sat idle that long after
-    work, the C heap's freed pages go back to the OS (``service.engine.heap``);
-    0: never."""
-
-    max_batch_size: int = 16
-    max_waiting: int = 64
-    policy: BlockPolicy | None = None
-    compact_slack: int = DEFAULT_COMPACT_SLACK
-    proposal: Proposal = "sample"
-    plain_reference_every: int = 64
-    threads: int = 0
-    branches: int = 1
-    lookup: int = 0
-    lookup_table: bool = True
-    prefill_chunk: int = 256
-    max_batch_slots: int = 0
-    release_memory_after_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        counts = (
-            self.max_waiting,
-            self.plain_reference_every,
-            self.threads,
-            self.lookup,
-            self.prefill_chunk,
-            self.max_batch_slots,
-        )
-        if min(self.max_batch_size, self.branches) < 1 or min(counts) < 0:
-            raise ValueError(
-                "max_batch_size and branches must be >= 1, max_waiting, plain_reference_every, threads, lookup "
-                "prefill_chunk and max_batch_slots >= 0"
-            )
-
-
-def decode_threads(requested: int, cpus: int) -> int:
-    """Intra-op threads for decoding: ``requested``, or for 0 the usable
-    ``cpus`` less one, at least one. The event loop (HTTP, SSE, /metrics) needs a core
-    of its own: on the 2-core dev VM, torch's default of two OpenMP threads
-    beside it halved a plain fp32 server's throughput (15.0 against 28.8
-    tokens/s with one thread, docs/LOG.md), because a decode step is hundreds
-    of short parallel regions and each waits for a thread the event loop holds
-    off its core."""
-    return requested or max(1, cpus - 1)
-
-
-def usable_cpus(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """CPUs this process may run on: its affinity mask (a cpuset), capped by a
-    cgroup v2 CPU quota (a container's CPU limit: ``"200000 100000"`` is 2
-    CPUs, rounded up), which the affinity mask does not show."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = cpu_max.read_text().split()
-    except (OSError, ValueError):  # no cgroup v2 CPU controller here: the affinity mask is all there is
-        return cpus
-    if quota == "max":
-        return cpus
-    return max(1, min(cpus, math.ceil(int(quota) / int(period))))
 
 
 @dataclass
@@ -164,7 +69,7 @@ class _Job:
     generated: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     aborted: bool = False
-    admitted: int = 0  # admission order: the latest admitted is preempted first
+    admitted: int = 0  # first admission's order (0: not yet): the latest admitted is preempted first
     preempted: PreemptedRow | None = None  # taken out of the batch to make room, waiting to resume
 
     @property
@@ -210,7 +115,7 @@ class NativeEngine:
         self._running: dict[Hashable, _Job] = {}  # by request id: the session's row key
         self._chunking: collections.deque[tuple[_Job, PartialPrefill]] = collections.deque()  # long prompts
         self._prefilling = 0  # admitted, not yet running: they count against the queue limit
-        self._admissions = itertools.count()
+        self._admissions = itertools.count(1)
         self._lock = threading.Condition()
         self._draining = False
         self._stopped = False
@@ -455,36 +360,34 @@ class NativeEngine:
         call's many choices share the batch with later calls instead of holding
         it until they finish. With single-request groups: first come, first served.
         The next request waits while admitting it would pad the batch's caches
-        beyond ``max_batch_slots`` (``_fits``); a preempted request waits at the
-        front, and resumes once its text (prompt and generated) fits."""
+        beyond ``max_batch_slots`` (``slots.fits``). Preempted requests come first, in
+        the order they were first admitted, and keep that place, so a request
+        admitted later is preempted before them and no new request passes them;
+        each resumes once its text (prompt and generated) fits."""
         free = self.config.max_batch_size - len(self._running) - len(self._chunking)
         batch = [*self._running.values(), *(job for job, _ in self._chunking)]
         in_batch = collections.Counter(job.request.group_key for job in batch)
         widths = [job.width for job in batch]
         admitted = []
         while self._waiting and free > 0:
-            job = min(self._waiting, key=lambda waiting: in_batch[waiting.request.group_key])
-            if not job.aborted and not self._fits([*widths, job.width]):
+            job = min(self._waiting, key=lambda w: (w.admitted or math.inf, in_batch[w.request.group_key]))
+            if not job.aborted and not fits([*widths, job.width], *self._slot_budget):
                 break
             self._waiting.remove(job)
             if job.aborted:
                 job.send(Delta("", (), "abort"))
                 continue
             widths.append(job.width)
-            job.admitted = next(self._admissions)
+            job.admitted = job.admitted or next(self._admissions)
             admitted.append(job)
             in_batch[job.request.group_key] += 1
             free -= 1
         return admitted
 
-    def _fits(self, widths: list[int]) -> bool:
-        """Whether rows of these widths, padded to the longest, still fit
-        ``max_batch_slots`` after one more round of the largest block (a lone
-        row always does). Admission and preemption ask the same question, so a
-        preempted row waits until a row has left, not one round."""
-        budget = self.config.max_batch_slots
-        grown = max(widths, default=0) + self.session.max_block_size
-        return not budget or len(widths) <= 1 or len(widths) * grown <= budget
+    @property
+    def _slot_budget(self) -> tuple[int, int]:
+        """``slots.fits``' budget and growth: ``max_batch_slots``, and the largest block a round appends."""
+        return self.config.max_batch_slots, self.session.max_block_size
 
     def _make_room(self) -> None:
         """Preempt the latest admitted requests while the batch (with the long
@@ -500,9 +403,7 @@ class NativeEngine:
             return
         with self._lock:
             held = sorted([*self._running.values(), *(job for job, _ in self._chunking)], key=lambda j: j.admitted)
-            leaving: list[_Job] = []
-            while len(held) > 1 and not self._fits([job.width for job in held]):
-                leaving.append(held.pop())
+            leaving = held[len(held) - preempted([job.width for job in held], *self._slot_budget) :]
         if not leaving:
             return
         rows = {job.request.request_id for job in leaving} & set(self._running)
@@ -512,7 +413,7 @@ class NativeEngine:
             chunked = [job for job in leaving if job.request.request_id not in rows]
             self._chunking = collections.deque(e for e in self._chunking if all(e[0] is not j for j in chunked))
             self._prefilling -= len(chunked)
-            for job in leaving:  # latest first: the earliest ends up at the front
+            for job in reversed(leaving):  # the earliest admitted ends up at the front
                 self._running.pop(job.request.request_id, None)
                 self._waiting.appendleft(job)
         log.info(
