@@ -3,8 +3,8 @@
 transformers' ``DynamicLayer`` appends by concatenating, which copies every
 cached key and value at every step: O(T) memory traffic per token and layer.
 On a CPU at batch 48 that copy took 75 % of a decode step of a 30-layer model.
-``GrowingLayer`` keeps spare capacity instead (doubling when full), writes the
-new slots into it, and hands attention a view of the used part. Anything that
+``GrowingLayer`` keeps spare capacity instead (a quarter more when full),
+writes the new slots into it, and hands attention a view of the used part. Anything that
 replaces a layer's tensors (``RaggedBatch`` compaction, merging, row selection)
 assigns ``keys``/``values`` as before. An assigned tensor the buffer can hold
 (same rows, not far fewer slots: a compaction, every few rounds) is copied into
@@ -17,6 +17,7 @@ and glibc's heap fragmented under the churn (a 16-row load's RSS reached
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -25,6 +26,12 @@ from transformers.cache_utils import DynamicLayer
 
 MIN_CAPACITY = 64
 """Slots allocated at least when a layer grows."""
+
+HEADROOM = 0.25
+"""Spare slots a layer allocates when it grows, as a share of those it holds.
+Doubling left up to half of every buffer empty, so a batch's caches could take
+twice what ``--max-batch-slots`` counts; a quarter more still regrows a
+1,500-slot row only every ~100 rounds, each a copy of its caches."""
 
 MAX_SPARE_RATIO = 4
 """An assigned tensor is copied into the buffer only while the buffer holds at
@@ -73,7 +80,7 @@ class GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transforme
         keys, values = self._keys, self._values
         assert keys is not None and values is not None  # lazy_initialization assigned both
         if keys.dim() < 4 or values.dim() < 4 or used + new > min(keys.shape[-2], values.shape[-2]):
-            capacity = max(MIN_CAPACITY, 2 * (used + new))
+            capacity = max(MIN_CAPACITY, math.ceil((used + new) * (1 + HEADROOM)))
             self._keys = keys = _grown(keys, key_states, used, capacity)
             self._values = values = _grown(values, value_states, used, capacity)
         keys[:, :, used : used + new] = key_states

@@ -43,7 +43,7 @@ def filled_layer(rows: int, slots: int) -> GrowingLayer:
 def test_a_compaction_is_written_into_the_buffer_it_came_from():
     """Same rows, fewer slots (a compaction's gather): copied into the buffer,
     and the next append still fits it, so nothing is allocated."""
-    layer = filled_layer(2, 40)  # capacity 80
+    layer = filled_layer(2, 40)  # capacity 64
     buffer, index = layer._keys.data_ptr(), torch.tensor([0, 3, 4, 9, 30])[None, None, :, None]
     expected = layer.keys.gather(2, index.expand(2, 2, -1, 4))
     layer.keys = layer.keys.gather(2, index.expand(2, 2, -1, 4))
@@ -69,7 +69,7 @@ def test_a_much_smaller_or_reshaped_assignment_lets_the_buffer_go():
     """Far fewer slots than the buffer holds (a long row left and the rest
     were compacted), or other rows (row selection, merging): the tensor itself
     is kept, so the old buffer's memory is freed."""
-    layer = filled_layer(2, 200)  # capacity 400
+    layer = filled_layer(2, 400)  # capacity 500
     buffer = layer._keys.data_ptr()
     short = layer.keys[:, :, -20:].clone()
     layer.keys = short
@@ -95,6 +95,18 @@ def test_a_buffer_made_under_inference_mode_is_only_reused_under_it():
         buffer = layer._keys.data_ptr()
         layer.keys = layer.keys[:, :, 10:].clone()
     assert layer._keys.data_ptr() == buffer
+
+
+def test_a_full_layer_grows_by_a_quarter():
+    """Room for a quarter more than it holds (at least ``MIN_CAPACITY``): the
+    spare part stays a small share of what the slot budget counts."""
+    layer = filled_layer(1, 400)
+    assert layer._keys.shape[2] == layer._values.shape[2] == 500
+    layer.update(torch.randn(1, 2, 100, 4), torch.randn(1, 2, 100, 4))
+    assert layer._keys.shape[2] == 500  # filled exactly, not grown
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert layer._keys.shape[2] == 627 and layer.get_seq_length() == 501
+    assert filled_layer(1, 3)._keys.shape[2] == 64
 
 
 def test_keys_and_values_of_different_lengths_are_refused():
