@@ -350,12 +350,16 @@ class DecodeSession:
         ]
         cached = [list(p) for p in prompts]
         rows = Rows(list(keys), first, list(sampling), generators, history, [1] * len(keys), ngrams, grammars, cached)
+        self._append(batch, rows)
+        return dict(zip(keys, rows.anchors.tolist(), strict=True))
+
+    def _append(self, batch: RaggedBatch, rows: Rows) -> None:
+        """Put ``rows``, whose caches ``batch`` holds, after this session's rows."""
         if self.batch is None:
             self.batch = batch
         else:
             self.batch.merge(batch)
         self.rows.extend(rows)
-        return dict(zip(keys, rows.anchors.tolist(), strict=True))
 
     def remove(self, keys: Sequence[Hashable]) -> None:
         """Drop these rows and free their cache slots."""
@@ -393,11 +397,7 @@ class DecodeSession:
             raise ValueError("the prefilled tokens are not the preempted row's")
         self._check_new(row.state.keys, [])
         self._flush_context()
-        if self.batch is None:
-            self.batch = part.batch
-        else:
-            self.batch.merge(part.batch)
-        self.rows.extend(row.state)
+        self._append(part.batch, row.state)
         part.joined = True
 
     def split(self, keys: Sequence[Hashable]) -> DecodeSession:
@@ -430,11 +430,7 @@ class DecodeSession:
             return
         self._flush_context()
         other._flush_context()
-        if self.batch is None:
-            self.batch = other.batch
-        else:
-            self.batch.merge(other.batch)
-        self.rows.extend(other.rows)
+        self._append(other.batch, other.rows)
         other.batch, other.rows = None, other.rows.subset([])
 
     @torch.inference_mode()
