@@ -505,7 +505,7 @@ def test_metrics_count_steps_tokens_and_requests(server, client):
     client.chat.completions.create(
         model="target", messages=[{"role": "user", "content": "m"}], max_tokens=8, temperature=0
     )
-    samples = [s for f in text_string_to_metric_families(httpx2.get(url + "/metrics").text) for s in f.samples]
+    samples = metric_samples(url)
 
     def value(name, **labels):
         return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
@@ -677,9 +677,13 @@ def test_a_pushed_policy_is_refused_while_the_in_process_controller_runs(model):
         assert engine.policy.to_dict() == before
 
 
+def metric_samples(url: str) -> list:
+    """Every sample the server at ``url`` exports on /metrics."""
+    return [s for f in text_string_to_metric_families(httpx2.get(url + "/metrics").text) for s in f.samples]
+
+
 def metric_values(url: str, name: str, label: str) -> dict[str, float]:
-    families = text_string_to_metric_families(httpx2.get(url + "/metrics").text)
-    return {s.labels[label]: s.value for f in families for s in f.samples if s.name == name}
+    return {s.labels[label]: s.value for s in metric_samples(url) if s.name == name}
 
 
 def test_every_finish_reason_and_refusal_is_counted(model):
@@ -784,8 +788,7 @@ def test_streams_preempted_to_keep_the_slot_budget_get_the_offline_text(model):
 
 
 def metric_value(url: str, name: str) -> float:
-    families = text_string_to_metric_families(httpx2.get(url + "/metrics").text)
-    return sum(s.value for f in families for s in f.samples if s.name == name)
+    return sum(s.value for s in metric_samples(url) if s.name == name)
 
 
 class EncodingThreads:

@@ -510,13 +510,12 @@ class NativeEngine:
         keys = [job.request.request_id for job in sharing]
         resuming = sharing[0].preempted
         started = time.perf_counter()
-        first: dict[Hashable, int] | None = None  # the joined rows' first tokens; None: not done yet
+        first: dict[Hashable, int] = {}  # the joined rows' first tokens (a resumed row drew its next before it left)
         try:
             done = self.session.prefill_chunk(part, self.config.prefill_chunk or len(part.prompt))
             if done and resuming is not None:
                 self.session.resume(part, resuming)
                 sharing[0].preempted = None
-                first = {}
             elif done:
                 first = self.session.add_prefilled(keys, part, [job.request.sampling for job in sharing])
         except Exception:
@@ -524,13 +523,13 @@ class NativeEngine:
             for job in sharing:
                 self._fail_prefill(job)
             return
-        rows = len(self.session) + (0 if first is not None else len(sharing))  # those that waited, and its own
-        if first is not None:
+        rows = len(self.session) + (0 if done else len(sharing))  # those that waited, and its own
+        if done:
             self._unqueue(part)
             with self._lock:
                 self._running.update(zip(keys, sharing, strict=True))
                 self._prefilling -= len(sharing)
-            if first:  # a resumed row drew its next token before it left
+            if first:
                 self._deliver_first(first)
         if self.on_prefill is not None:
             self.on_prefill(rows, time.perf_counter() - started)
